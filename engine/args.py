@@ -1,0 +1,118 @@
+"""Engine configuration: one frozen dataclass, flag names as in SGLang where the meaning is the same."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    # Model directory (HF layout), a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+    model_path: str | None = None
+    # Tokenizer directory when it differs from the model's.
+    tokenizer_path: str | None = None
+    # "auto": float32 on CPU, bfloat16 on CUDA; or float32 / float16 / bfloat16.
+    dtype: str = "auto"
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # Tokens per KV page.
+    page_size: int = 16
+    # Fraction of device memory (host memory on CPU) for weights plus the KV pool. Default: 0.85 on CUDA,
+    # 0.1 on CPU (a CPU box runs other processes, and small pools suffice there).
+    mem_fraction_static: float | None = None
+    # Size the KV pool by tokens instead (takes precedence over mem_fraction_static).
+    max_total_tokens: int | None = None
+    # Context length; default: the model's max_position_embeddings.
+    context_length: int | None = None
+    # Token budget of one step (prefill chunks plus decode tokens). Default: 8192 on CUDA, 1024 on CPU.
+    chunked_prefill_size: int | None = None
+    # Requests in the running batch at most. Default: 256 on CUDA, 64 on CPU.
+    max_running_requests: int | None = None
+    # torch (reference, any device); more backends come with GPU kernels. Default: fastest available.
+    attention_backend: str | None = None
+    # "auto" (the model dtype), or a torch dtype name for the KV pool.
+    kv_cache_dtype: str = "auto"
+    # Turn off prefix caching (pages are freed as soon as their request ends).
+    disable_radix_cache: bool = False
+    # Seed for requests that bring none.
+    random_seed: int | None = None
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "context_length", "chunked_prefill_size", "max_running_requests"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.torch_device.type == "cuda"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.on_cuda else torch.float32
+        return getattr(torch, self.dtype)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        dt = getattr(torch, self.kv_cache_dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
+        return dt
+
+    @property
+    def mem_fraction(self) -> float:
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        return 0.85 if self.on_cuda else 0.1
+
+    @property
+    def prefill_budget(self) -> int:
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 8192 if self.on_cuda else 1024
+
+    @property
+    def running_limit(self) -> int:
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        return 256 if self.on_cuda else 64
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        p = parser
+        p.add_argument("--model-path", default=None, help="HF model directory or .gguf file (default: embedded)")
+        p.add_argument("--tokenizer-path", default=None)
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+        p.add_argument("--device", default="auto")
+        p.add_argument("--page-size", type=int, default=16)
+        p.add_argument("--mem-fraction-static", type=float, default=None)
+        p.add_argument("--max-total-tokens", type=int, default=None)
+        p.add_argument("--context-length", type=int, default=None)
+        p.add_argument("--chunked-prefill-size", type=int, default=None)
+        p.add_argument("--max-running-requests", type=int, default=None)
+        p.add_argument("--attention-backend", default=None)
+        p.add_argument("--kv-cache-dtype", default="auto")
+        p.add_argument("--disable-radix-cache", action="store_true")
+        p.add_argument("--random-seed", type=int, default=None)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})

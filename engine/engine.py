@@ -1,0 +1,215 @@
+"""The worker core: model, KV pool, scheduler and sampler behind add_request / step / abort."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+import uuid
+
+import torch
+
+from engine.args import EngineArgs
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model, resolve_model_dir
+from engine.request import Logprob, Request, Status
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from kernels.attention import create_backend, default_backend
+from kvstore import KVPool, PageAllocator, RadixCache, kv_bytes_per_token
+
+logger = logging.getLogger(__name__)
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Engine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs):
+        args = args or EngineArgs(**kwargs)
+        self.args = args
+        t0 = time.perf_counter()
+        self.device = args.torch_device
+        model_dir = resolve_model_dir(args.model_path)
+        self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
+        self.model = load_model(model_dir, args.torch_dtype, self.device)
+        self.config: ModelConfig = self.model.config
+        self.pool = self._make_pool()
+        self.max_model_len = min(args.context_length or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.allocator = PageAllocator(self.pool.num_pages)
+        self.cache = None if args.disable_radix_cache else RadixCache(self.allocator, args.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.page_size, args.prefill_budget, args.running_limit), self.allocator, self.cache)
+        backend = args.attention_backend or default_backend(self.device)
+        self.runner = ModelRunner(self.model, self.pool, create_backend(backend, self.pool, self.config),
+                                  self.device)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+        self._rng = random.Random(args.random_seed)
+        self.requests: dict[str, Request] = {}
+        self.load_seconds = time.perf_counter() - t0
+        logger.info("engine ready in %.2fs: %s, %s on %s, attention=%s, max_total_num_tokens=%d",
+                    self.load_seconds, self.config.model_type, args.torch_dtype, self.device, backend,
+                    self.pool.max_total_num_tokens)
+
+    def _make_pool(self) -> KVPool:
+        a, c = self.args, self.config
+        per_token = kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, a.kv_dtype)
+        if a.max_total_tokens is not None:
+            num_pages = -(-a.max_total_tokens // a.page_size) + 1
+        else:
+            if a.on_cuda:
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(total * a.mem_fraction) - (total - free)
+            else:
+                weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                budget = int(_host_memory_bytes() * a.mem_fraction) - weights
+            num_pages = KVPool.pages_for_budget(budget, a.page_size, per_token)
+            if num_pages < 2:
+                raise RuntimeError(f"no memory left for the KV pool (budget {budget} bytes); raise "
+                                   f"--mem-fraction-static or set --max-total-tokens")
+        pool = KVPool(num_pages, a.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                      a.kv_dtype, self.device)
+        logger.info("KV pool: %d pages of %d tokens, max_total_num_tokens=%d, %.1f MiB",
+                    num_pages, a.page_size, pool.max_total_num_tokens, pool.data.numel() * pool.data.element_size()
+                    / 2**20)
+        return pool
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                     rid: str | None = None) -> Request:
+        """Validate and build a request; raises ValueError naming the problem."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        else:
+            params.validate()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size}), got {bad[:3]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context length is {self.max_model_len} "
+                             f"(at least one token must be left to generate)")
+        max_len = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
+                                                                             len(ids) + params.max_tokens)
+        if max_len > self.pool.max_total_num_tokens:
+            raise ValueError(f"request needs up to {max_len} tokens of KV cache but the pool holds "
+                             f"{self.pool.max_total_num_tokens}; lower max_tokens")
+        for tok in params.stop_token_ids:
+            if tok >= self.config.vocab_size:
+                raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (size {self.config.vocab_size})")
+        stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed,
+                       stop_ids=stop_ids, max_len=max_len, detok=detok)
+
+    def add_request(self, prompt, params=None, rid: str | None = None) -> Request:
+        req = self.make_request(prompt, params, rid)
+        if req.rid in self.requests:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that produced a token (finished or not)."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.forward(chunks)
+        sampling = []
+        for c in chunks:
+            c.req.kv_len = c.start + c.length
+            if c.samples:
+                sampling.append(c.req)
+            elif c.length > 1:
+                self.scheduler.cache_pages(c.req)  # share finished prompt pages while the prompt goes on
+        if not sampling:
+            return []
+        out = self.runner.sample(logits, sampling)
+        tokens = out.tokens.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+        for i, (req, tok) in enumerate(zip(sampling, tokens)):
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                top = list(zip(tops[0][i][:k], tops[1][i][:k])) if tops and k else []
+                req.logprobs.append(Logprob(tok, lps[i], top))
+            self._append(req, tok)
+        return sampling
+
+    def _append(self, req: Request, tok: int) -> None:
+        if req.num_output == 0 and req.kv_len == req.prompt_len:
+            # The prompt's pages are complete: cache them for requests that share the prefix.
+            self.scheduler.cache_pages(req)
+        req.tokens.append(tok)
+        # The sampler never draws a stop id before min_tokens, so seeing one here always ends the request.
+        if tok in req.stop_ids:
+            req.finish_reason, req.stop_reason = "stop", (None if tok in self.eos_ids else tok)
+        else:
+            req.detok.add(tok)
+            if req.detok.stopped_by is not None:
+                req.finish_reason, req.stop_reason = "stop", req.detok.stopped_by
+            elif len(req.tokens) >= req.max_len:
+                req.finish_reason = "length"
+        if req.finish_reason is not None:
+            req.detok.flush()
+            self.scheduler.finish(req)
+            self.requests.pop(req.rid, None)
+
+    def check(self) -> None:
+        """Raise if page accounting is off (free + cached + in use != total, or a count is wrong)."""
+        self.scheduler.check()
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; only when idle (returns False otherwise)."""
+        if self.has_work() or self.cache is None:
+            return False
+        self.cache.reset()
+        return True
+
+    def stats(self) -> dict:
+        total = self.allocator.total
+        cached = self.cache.num_pages if self.cache else 0
+        return {
+            "total_pages": total,
+            "free_pages": self.allocator.num_free,
+            "cached_pages": cached,
+            "used_pages": total - self.allocator.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "retracted": self.scheduler.num_retracted,
+            "prefix_query_tokens": self.cache.query_tokens if self.cache else 0,
+            "prefix_hit_tokens": self.cache.hit_tokens if self.cache else 0,
+        }

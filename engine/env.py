@@ -1,0 +1,17 @@
+"""Environment variables read by pdserve, all prefixed PDSERVE_, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+class Env:
+    @staticmethod
+    def cache_dir() -> str:
+        """Where converted checkpoints are cached (PDSERVE_CACHE_DIR, else ~/.cache/pdserve)."""
+        return os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+
+    @staticmethod
+    def api_keys() -> list[str]:
+        """Accepted API keys, comma-separated (PDSERVE_API_KEYS); empty means no authentication."""
+        return [k for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k]

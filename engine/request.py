@@ -1,0 +1,70 @@
+"""A request's state inside a worker."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) plus the request's stop_token_ids
+    max_len: int  # prompt + output may not exceed this (context length, max_tokens)
+    detok: IncrementalDetokenizer | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    status: Status = Status.WAITING
+    # All token ids: the prompt, then the output. KV is computed for tokens[:kv_len].
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok else ""

@@ -1,0 +1,160 @@
+"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Every request's randomness comes from a counter-based hash of (seed, output position, token id), so a seeded
+request draws the same tokens whatever else shares its batch, and after a retraction and recompute. The draw
+is an exponential race (argmax of p / E with E ~ Exp(1)), which samples exactly from p and needs no sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # murmur3's finaliser on int64 tensors holding 32-bit values; products wrap, the mask keeps the low bits.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u in (0, 1), [B, vocab], a pure function of (seed, step, token id)."""
+    seeds = seeds.long()
+    key = _fmix32((seeds & _M32) ^ _fmix32(((seeds >> 32) & _M32) ^ _fmix32(steps.long() & _M32)))
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    h = _fmix32(key[:, None] ^ ((idx * 0x9E3779B1) & _M32)[None, :])
+    h = _fmix32(h ^ key[:, None])
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """The batch's parameters as device tensors, built once per step from its requests."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] long; 0 = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    seeds: torch.Tensor  # [B] long
+    steps: torch.Tensor  # [B] long, tokens generated so far
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    # Penalties (None when no request has any): token counts over the output and a mask of prompt tokens.
+    rep_penalty: torch.Tensor | None = None
+    freq_penalty: torch.Tensor | None = None
+    pres_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V] float
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool
+    # (row, token) pairs whose logits are banned this step (EOS before min_tokens).
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+    max_logprobs: int = -1  # -1: no request wants logprobs
+
+    @classmethod
+    def build(cls, reqs, vocab: int, device) -> "SamplingBatch":
+        ps = [r.params for r in reqs]
+
+        def t(vals, dtype):
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        b = cls(
+            temperature=t([p.temperature for p in ps], torch.float32),
+            top_k=t([p.top_k for p in ps], torch.long),
+            top_p=t([p.top_p for p in ps], torch.float32),
+            min_p=t([p.min_p for p in ps], torch.float32),
+            seeds=t([r.seed for r in reqs], torch.long),
+            steps=t([len(r.output_ids) for r in reqs], torch.long),
+            all_greedy=all(p.greedy for p in ps),
+            use_top_k=any(p.top_k > 0 and not p.greedy for p in ps),
+            use_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
+            use_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
+            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+        )
+        if any(p.has_penalties for p in ps):
+            b.rep_penalty = t([p.repetition_penalty for p in ps], torch.float32)
+            b.freq_penalty = t([p.frequency_penalty for p in ps], torch.float32)
+            b.pres_penalty = t([p.presence_penalty for p in ps], torch.float32)
+            b.output_counts = _counts([r.output_ids for r in reqs], vocab, device)
+            b.prompt_mask = _counts([r.prompt_ids for r in reqs], vocab, device) > 0
+        banned = [(i, tok) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens
+                  for tok in r.stop_ids]
+        if banned:
+            b.banned_rows = t([i for i, _ in banned], torch.long)
+            b.banned_tokens = t([tok for _, tok in banned], torch.long)
+        return b
+
+
+def _counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
+    rows = [i for i, s in enumerate(seqs) for _ in s]
+    if rows:
+        ids = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long, device=device)
+        counts.index_put_((torch.tensor(rows, device=device), ids), torch.ones_like(ids, dtype=torch.float32),
+                          accumulate=True)
+    return counts
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B] chosen token's logprob
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
+    """logits [B, V] float32 -> one token per row."""
+    raw = logits
+    if b.output_counts is not None:
+        seen = b.prompt_mask | (b.output_counts > 0)
+        rp = b.rep_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = logits - b.freq_penalty[:, None] * b.output_counts
+        logits = logits - b.pres_penalty[:, None] * (b.output_counts > 0).float()
+    if b.banned_rows is not None:
+        logits = logits.index_put((b.banned_rows, b.banned_tokens), torch.tensor(float("-inf"), device=logits.device))
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        scaled = logits / temp[:, None]
+        if b.use_top_k or b.use_top_p:
+            scaled = _top_k_top_p(scaled, b)
+        probs = scaled.softmax(dim=-1)
+        if b.use_min_p:
+            probs = probs.masked_fill(probs < b.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        race = probs / -torch.log(uniform_noise(b.seeds, b.steps, probs.shape[-1]))
+        tokens = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy_tokens)
+    out = SampleOutput(tokens=tokens)
+    if b.max_logprobs >= 0:
+        # Logprobs of the model's own distribution, before penalties and truncation (as vLLM reports them).
+        lp = raw.log_softmax(dim=-1)
+        out.logprobs = lp.gather(1, tokens[:, None]).squeeze(1)
+        if b.max_logprobs > 0:
+            out.top_logprobs, out.top_ids = lp.topk(b.max_logprobs, dim=-1)
+    return out
+
+
+def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if b.use_top_k:
+        k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, vocab))
+        remove |= rank >= k[:, None]
+    if b.use_top_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Drop a token once the tokens ranked above it already reach top_p; the first token always stays.
+        remove |= (probs.cumsum(dim=-1) - probs) >= b.top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

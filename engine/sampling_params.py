@@ -1,0 +1,90 @@
+"""Per-request sampling parameters, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(repr, unknown))}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, msg: str):
+            if not ok:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        need(is_int(self.n) and self.n == 1, "n", "must be 1 (several samples per request are not supported)")
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+             "max_tokens", "must be an integer >= 1")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None:
+            need(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
+        need(is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.seed is None or (is_int(self.seed) and -_INT64_MAX <= self.seed <= _INT64_MAX),
+             "seed", "must be a 64-bit integer")
+        need(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be a list of token ids")
+        need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+             "repetition_penalty", "must be in (0, 10]")
+        need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty", "must be in [-2, 2]")
+        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty", "must be in [-2, 2]")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+             "logprobs", "must be an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -1,0 +1,198 @@
+"""Continuous batching with chunked prefill, prefix reuse and retraction.
+
+There are no prefill and decode phases here: each request has tokens whose KV is computed (`kv_len`) and
+tokens still to compute (`len(tokens) - kv_len`); a step gives every running request some of them. A request
+in decode has exactly one (its last sampled token); one in prefill, or recomputing after a retraction, has
+more and gets a chunk of at most the step's remaining token budget. A request samples when its chunk reaches
+the end of its tokens.
+
+Pages: a request's page table covers its KV. Admission matches the prompt in the radix cache and shares those
+pages; new pages come from the allocator, then from evicting cached pages, and when even that fails the
+newest running requests are retracted (their pages cached or freed, their tokens recomputed later). Oldest
+requests are never retracted for newer ones, so every request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from engine.request import Request, Status
+from kvstore.allocator import PageAllocator
+from kvstore.radix import RadixCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    chunked_prefill_size: int  # token budget of one step
+    max_running_requests: int
+
+
+@dataclass
+class Chunk:
+    req: Request
+    start: int  # kv_len before this step
+    length: int  # tokens computed in this step
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == len(self.req.tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache | None):
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_retracted = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> list[Chunk]:
+        budget = self.config.chunked_prefill_size
+        chunks: list[Chunk] = []
+        # Oldest first: when pages run out, the newest running requests are the ones retracted.
+        self.running.sort(key=lambda r: r.arrival)
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            todo = len(req.tokens) - req.kv_len
+            n = todo if todo == 1 else min(todo, max(budget, 0))
+            if n == 0:
+                i += 1
+                continue
+            if not self._grow(req, req.kv_len + n):
+                continue  # req itself was retracted; self.running shrank
+            chunks.append(Chunk(req, req.kv_len, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req, budget):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            n = min(len(req.tokens) - req.kv_len, budget)
+            chunks.append(Chunk(req, req.kv_len, n))
+            budget -= n
+        return chunks
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.page_size)
+
+    def _take(self, n: int) -> list[int] | None:
+        if n > self.allocator.num_free and self.cache is not None:
+            self.cache.evict(n - self.allocator.num_free)
+        if n > self.allocator.num_free:
+            return None
+        return self.allocator.alloc(n)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` pages for `num_tokens` tokens, retracting newer requests if needed; False if req itself
+        had to be retracted."""
+        need = self._pages_for(num_tokens) - len(req.pages)
+        while need > 0:
+            pages = self._take(need)
+            if pages is not None:
+                req.pages.extend(pages)
+                return True
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        if self.cache is not None and req.kv_len == 0:
+            # Leave at least one token to compute: its logits give the next token.
+            matched = self.cache.match(req.tokens[: len(req.tokens) - 1])
+            if matched:
+                self.allocator.retain(matched)
+                req.pages = list(matched)
+                req.kv_len = len(matched) * self.config.page_size
+            req.cached_tokens = min(req.kv_len, req.prompt_len)
+        n = min(len(req.tokens) - req.kv_len, budget)
+        need = self._pages_for(req.kv_len + n) - len(req.pages)
+        # Keep a page per running request in hand, so admitting does not immediately force a retraction.
+        reserve = len(self.running)
+        pages = self._take(need + reserve)
+        if pages is None:
+            self.allocator.release(req.pages)
+            req.pages, req.kv_len = [], 0
+            return False
+        self.allocator.release(pages[need:])
+        req.pages.extend(pages[:need])
+        return True
+
+    # --- page ownership ---------------------------------------------------------------------------------
+    def cache_pages(self, req: Request) -> None:
+        """Put the request's full computed pages into the prefix cache, adopting pages it already had."""
+        if self.cache is None:
+            return
+        ps = self.config.page_size
+        n_full = min(req.kv_len // ps, len(req.pages))
+        if n_full == 0:
+            return
+        tree_pages = self.cache.insert(req.tokens[: n_full * ps], req.pages[:n_full])
+        for i, p in enumerate(tree_pages):
+            if p != req.pages[i]:
+                # The tree already had this page's tokens: share its copy, drop ours.
+                self.allocator.retain([p])
+                self.allocator.release([req.pages[i]])
+                req.pages[i] = p
+
+    def release(self, req: Request) -> None:
+        self.cache_pages(req)
+        self.allocator.release(req.pages)
+        req.pages = []
+
+    def retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.kv_len = 0
+        req.status = Status.WAITING
+        self.num_retracted += 1
+        logger.warning("KV cache pool is full. Retract requests. #retracted=1 rid=%s", req.rid)
+        # Back in arrival order, ahead of anything that came later.
+        pos = 0
+        while pos < len(self.waiting) and self.waiting[pos].arrival < req.arrival:
+            pos += 1
+        self.waiting.insert(pos, req)
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.release(req)
+        req.status = Status.FINISHED
+
+    def check(self) -> None:
+        """Self-check of page accounting: every page's count equals its owners (requests + the cache)."""
+        owners: dict[int, int] = {}
+        for req in list(self.running) + list(self.waiting):
+            for p in req.pages:
+                owners[p] = owners.get(p, 0) + 1
+        cached = self.cache.page_ids() if self.cache is not None else []
+        for p in cached:
+            owners[p] = owners.get(p, 0) + 1
+        if self.cache is not None and len(cached) != self.cache.num_pages:
+            raise AssertionError(f"cache lists {len(cached)} pages but counts {self.cache.num_pages}")
+        self.allocator.check(owners)
+        cached_set = set(cached)
+        in_use = sum(1 for p, n in owners.items() if n > (p in cached_set))
+        cached_only = len(owners) - in_use
+        if self.allocator.num_free + cached_only + in_use != self.allocator.total:
+            raise AssertionError("free + cached + in use != total")

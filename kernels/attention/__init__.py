@@ -1,0 +1,30 @@
+"""Attention backends, chosen by name. Implementations import lazily so `import kernels` needs no GPU."""
+
+from __future__ import annotations
+
+import importlib
+
+from kernels.attention.base import AttentionBackend, AttentionInputs
+
+_BACKENDS = {
+    "torch": "kernels.attention.torch_backend:TorchBackend",
+}
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def default_backend(device) -> str:
+    """The fastest backend that can run on `device`."""
+    return "torch"
+
+
+def create_backend(name: str, pool, config) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(pool, config)
+
+
+__all__ = ["AttentionBackend", "AttentionInputs", "backend_names", "create_backend", "default_backend"]
