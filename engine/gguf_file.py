@@ -82,7 +82,9 @@ class GGUFModel:
         names = {t.name for t in self.reader.tensors}
         if "rope_freqs.weight" in names:
             raise ValueError(f"{self.path}: per-dimension rope frequency factors are not supported yet")
-        vocab = self._field(f"{a}.vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        # The embedding's row count is the model's vocabulary; the token list may be shorter (padding rows).
+        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        vocab = int(embd.shape[-1])
         rope = None
         if self._field(f"{a}.rope.scaling.type") == "linear":
             rope = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}

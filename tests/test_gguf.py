@@ -1,0 +1,153 @@
+"""GGUF checkpoints load into the same model as their dequantized reference, tokenizer included."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_pool_clean, build_hf_model, make_tokenizer_files, rel_err
+from engine import Engine, SamplingParams
+from engine.gguf_file import permute_rope, unpermute_rope
+from engine.loader import embedded_model_path
+from test_models import record_logits
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# GGUF name and quantization for each HF tensor of layer i.
+LAYER_TENSORS = {
+    "self_attn.q_proj": ("attn_q", Q.Q8_0),
+    "self_attn.k_proj": ("attn_k", Q.Q8_0),
+    "self_attn.v_proj": ("attn_v", Q.Q4_1),
+    "self_attn.o_proj": ("attn_output", Q.Q4_1),
+    "mlp.gate_proj": ("ffn_gate", Q.Q4_1),
+    "mlp.up_proj": ("ffn_up", Q.Q8_0),
+    "mlp.down_proj": ("ffn_down", Q.Q4_1),
+    "input_layernorm": ("attn_norm", Q.F32),
+    "post_attention_layernorm": ("ffn_norm", Q.F32),
+}
+
+
+def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tensor]:
+    """Write `hf_model` as a llama GGUF the way llama.cpp does (q/k rows permuted, weights quantized);
+    return the HF-named, dequantized tensors the file really holds."""
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        tk = json.load(f)
+    vocab = sorted(tk["model"]["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in ("<pad>", "<s>", "</s>") else 1 for t, _ in vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+
+    ref: dict[str, torch.Tensor] = {}
+
+    def put(gguf_name: str, hf_name: str, qtype, heads: int | None = None):
+        data = hf_model.state_dict()[hf_name].float().numpy()
+        if heads is not None:
+            data = permute_rope(data, heads)
+        if qtype == Q.F32:
+            stored, deq = data, data
+        else:
+            stored = gguf.quants.quantize(data, qtype)
+            deq = gguf.quants.dequantize(stored, qtype).reshape(data.shape)
+        w.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        ref[hf_name] = torch.from_numpy(unpermute_rope(deq, heads) if heads is not None else deq.copy())
+
+    put("token_embd.weight", "model.embed_tokens.weight", Q.Q8_0)
+    put("output_norm.weight", "model.norm.weight", Q.F32)
+    put("output.weight", "lm_head.weight", Q.Q4_1)
+    for i in range(cfg.num_hidden_layers):
+        for hf_part, (g_part, qtype) in LAYER_TENSORS.items():
+            heads = {"self_attn.q_proj": cfg.num_attention_heads,
+                     "self_attn.k_proj": cfg.num_key_value_heads}.get(hf_part)
+            put(f"blk.{i}.{g_part}.weight", f"model.layers.{i}.{hf_part}.weight", qtype, heads)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path):
+    hf = build_hf_model("llama", seed=3)
+    make_tokenizer_files(str(tmp_path))
+    path = str(tmp_path / "tiny.gguf")
+    ref = write_gguf(path, hf, str(tmp_path))
+    assert any(t.tensor_type == Q.Q4_1 for t in gguf.GGUFReader(path).tensors)
+
+    engine = Engine(model_path=path, max_total_tokens=2048)
+    ours = dict(engine.model.named_parameters())
+    c = engine.config
+    for i in range(c.num_hidden_layers):
+        q, k, v = ours[f"layers.{i}.self_attn.qkv_proj.weight"].split([c.q_size, c.kv_size, c.kv_size])
+        assert torch.equal(q, ref[f"model.layers.{i}.self_attn.q_proj.weight"])
+        assert torch.equal(k, ref[f"model.layers.{i}.self_attn.k_proj.weight"])
+        assert torch.equal(v, ref[f"model.layers.{i}.self_attn.v_proj.weight"])
+        assert torch.equal(ours[f"layers.{i}.mlp.down_proj.weight"], ref[f"model.layers.{i}.mlp.down_proj.weight"])
+    assert torch.equal(ours["embed_tokens.weight"], ref["model.embed_tokens.weight"])
+
+    # The same model in transformers, given the dequantized tensors, predicts what ours predicts.
+    hf_deq = build_hf_model("llama", seed=3)
+    hf_deq.load_state_dict({**hf_deq.state_dict(), **ref})
+    seen = record_logits(engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    req = engine.add_request([5, 9, 200, 13, 77, 31, 400], params)
+    while engine.has_work():
+        engine.step()
+    with torch.no_grad():
+        expect = hf_deq.generate(torch.tensor([req.prompt_ids]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, req.prompt_len:].tolist()
+        full = req.prompt_ids + req.output_ids
+        ref_logits = hf_deq(torch.tensor([full])).logits[0, req.prompt_len - 1: len(full) - 1]
+    assert req.output_ids == expect
+    assert rel_err(torch.stack(seen[req.rid]), ref_logits) < 1e-4
+    # The tokenizer came out of the GGUF metadata: it round-trips text like the original.
+    text = "The quick brown fox"
+    assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+    assert_pool_clean(engine)
+
+
+def test_gguf_tokenizer_matches_transformers_on_the_embedded_model():
+    from transformers import AutoTokenizer
+
+    path = embedded_model_path()
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from engine.gguf_file import convert_gguf
+    from engine.tokenizer import Tokenizer
+
+    ours = Tokenizer(convert_gguf(path))
+    texts = [
+        "What is the capital of France?",
+        "  leading spaces, numbers 1234567 and 3.14159",
+        "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+        "Ünïcödé — 東京 🚀 tabs\tand\nnewlines\n\n",
+        "def f(x):\n    return x**2  # comment",
+    ]
+    for t in texts:
+        assert ours.encode(t) == ref.encode(t), t
+        assert ours.decode(ours.encode(t), skip_special_tokens=False) == t
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.random.default_rng(0).standard_normal((4 * 8, 5)).astype(np.float32)
+    assert np.array_equal(unpermute_rope(permute_rope(w, 4), 4), w)
+    assert not np.array_equal(permute_rope(w, 4), w)

@@ -1,0 +1,88 @@
+"""Our model implementation computes what transformers computes, on random weights of each real family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES, assert_pool_clean, rel_err
+from engine import Engine, SamplingParams
+
+PROMPTS = [
+    [5, 17, 300, 42, 8, 99, 123, 7, 256, 31, 64, 77, 12],
+    [400, 3],
+    list(range(10, 80)),  # long enough to cross Mistral's 24-token sliding window and several pages
+    [250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264, 265, 266, 267, 268],
+]
+DECODE_STEPS = 20
+
+
+def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
+    """Wrap the runner's sampling so every logits row it sees is kept per request."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    inner = engine.runner.sample
+
+    def sample(logits, reqs):
+        for row, req in zip(logits, reqs):
+            seen.setdefault(req.rid, []).append(row.clone())
+        return inner(logits, reqs)
+
+    engine.runner.sample = sample
+    return seen
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def run(engine: Engine, prompts, steps=DECODE_STEPS):
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return reqs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_for_batched_prefill_and_decode(family, tiny_models):
+    path, hf = tiny_models[family]
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
+    seen = record_logits(engine)
+    reqs = run(engine, PROMPTS)
+    for req in reqs:
+        ours = torch.stack(seen[req.rid])  # prefill's last position, then one row per decode step
+        assert ours.shape[0] == DECODE_STEPS
+        full = req.prompt_ids + req.output_ids
+        ref = hf_logits(hf, full)[len(req.prompt_ids) - 1: len(full) - 1]
+        assert rel_err(ours, ref) < 1e-4, f"{family}: prompt of {req.prompt_len} tokens"
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_over_a_cached_prefix_matches_transformers(family, tiny_models):
+    path, hf = tiny_models[family]
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8)
+    shared = list(range(100, 148))  # six full pages
+    run(engine, [shared + [7, 8, 9]], steps=2)
+    seen = record_logits(engine)
+    second = shared + [20, 21, 22, 23, 24]
+    (req,) = run(engine, [second], steps=5)
+    assert req.cached_tokens == len(shared), "the shared pages must come from the cache"
+    full = req.prompt_ids + req.output_ids
+    ref = hf_logits(hf, full)[len(second) - 1: len(full) - 1]
+    assert rel_err(torch.stack(seen[req.rid]), ref) < 1e-4
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_transformers_generate(family, tiny_models):
+    path, hf = tiny_models[family]
+    engine = Engine(model_path=path, max_total_tokens=4096, chunked_prefill_size=32)
+    reqs = run(engine, PROMPTS)
+    for req in reqs:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([req.prompt_ids]), max_new_tokens=DECODE_STEPS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, req.prompt_len:].tolist()
+        assert req.output_ids == ref
+    assert_pool_clean(engine)
