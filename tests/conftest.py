@@ -49,6 +49,8 @@ def hf_config(family: str):
         return tf.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}, rope_theta=10000.0)
+    if family == "llama-plain":  # no rope scaling: what a GGUF file without rope metadata describes
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=24)
     if family == "qwen2":
@@ -63,7 +65,7 @@ def build_hf_model(family: str, seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = hf_config(family)
-    cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+    cls = {"llama": tf.LlamaForCausalLM, "llama-plain": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM}[family]
     model = cls(cfg).float().eval()
     with torch.no_grad():

@@ -88,7 +88,7 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tenso
 
 
 def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path):
-    hf = build_hf_model("llama", seed=3)
+    hf = build_hf_model("llama-plain", seed=3)
     make_tokenizer_files(str(tmp_path))
     path = str(tmp_path / "tiny.gguf")
     ref = write_gguf(path, hf, str(tmp_path))
@@ -106,7 +106,7 @@ def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path):
     assert torch.equal(ours["embed_tokens.weight"], ref["model.embed_tokens.weight"])
 
     # The same model in transformers, given the dequantized tensors, predicts what ours predicts.
-    hf_deq = build_hf_model("llama", seed=3)
+    hf_deq = build_hf_model("llama-plain", seed=3)
     hf_deq.load_state_dict({**hf_deq.state_dict(), **ref})
     seen = record_logits(engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
