@@ -1,0 +1,187 @@
+"""The worker core: continuous batching, retraction, prefix reuse, bad input, and the offline API."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from conftest import assert_pool_clean
+from engine import LLM, Engine, GenerateError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n):
+    return [[(7 * i + j * 13) % 400 + 5 for j in range(20 + 3 * i)] for i in range(n)]
+
+
+def drain(engine):
+    while engine.has_work():
+        engine.step()
+
+
+def test_small_pool_retracts_and_still_matches_large_pool(tiny_llama, caplog):
+    path, _ = tiny_llama
+    big = Engine(model_path=path, max_total_tokens=8192)
+    small = Engine(model_path=path, max_total_tokens=160, page_size=8, chunked_prefill_size=48)
+    ps = prompts(8)  # together they need ~600 tokens of KV; the small pool holds 160
+    ref = [big.add_request(p, GREEDY) for p in ps]
+    drain(big)
+    with caplog.at_level(logging.WARNING):
+        got = [small.add_request(p, GREEDY) for p in ps]
+        drain(small)
+    assert small.scheduler.num_retracted > 0
+    assert "KV cache pool is full. Retract requests." in caplog.text
+    for a, b in zip(ref, got):
+        assert b.finish_reason == "length" and len(b.output_ids) == 24
+        assert a.output_ids == b.output_ids
+    assert_pool_clean(big)
+    assert_pool_clean(small)
+
+
+def test_many_requests_share_steps_and_respect_max_running(tiny_llama):
+    path, _ = tiny_llama
+    engine = Engine(model_path=path, max_total_tokens=4096, max_running_requests=3)
+    reqs = [engine.add_request(p, GREEDY) for p in prompts(7)]
+    peak = 0
+    while engine.has_work():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 3
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert_pool_clean(engine)
+
+
+def test_shared_prefix_is_reused_from_cache_with_identical_output(tiny_llama):
+    path, _ = tiny_llama
+    prefix = [(i * 37) % 450 + 3 for i in range(200)]
+    engine = Engine(model_path=path, max_total_tokens=4096)
+    no_cache = Engine(model_path=path, max_total_tokens=4096, disable_radix_cache=True)
+    first = engine.add_request(prefix + [11, 12, 13], GREEDY)
+    drain(engine)
+    hits_before = engine.stats()["prefix_hit_tokens"]
+    second = engine.add_request(prefix + [21, 22], GREEDY)
+    drain(engine)
+    assert second.cached_tokens == 192  # 12 whole pages of 16 of the shared 200 tokens
+    assert engine.stats()["prefix_hit_tokens"] - hits_before >= 192
+    ref = no_cache.add_request(prefix + [21, 22], GREEDY)
+    drain(no_cache)
+    assert second.output_ids == ref.output_ids
+    assert first.output_ids != second.output_ids or first.prompt_ids != second.prompt_ids
+    assert_pool_clean(engine)
+    assert_pool_clean(no_cache)
+
+
+def test_abort_frees_the_request_pages(tiny_llama):
+    path, _ = tiny_llama
+    engine = Engine(model_path=path, max_total_tokens=1024, disable_radix_cache=True)
+    free0 = engine.allocator.num_free
+    a = engine.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    b = engine.add_request(prompts(2)[1], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_free < free0
+    assert engine.abort(a.rid)
+    assert a.finish_reason == "abort"
+    drain(engine)
+    assert b.finish_reason == "length"
+    assert engine.allocator.num_free == free0
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"params": {"max_tokens": 0}}, "max_tokens"),
+    ({"prompt_token_ids": list(range(5, 505)) * 2}, "context length is 512"),
+    ({"params": {"temperature": -0.5}}, "temperature"),
+    ({"params": {"temprature": 0.5}}, "unknown sampling parameter(s): 'temprature'"),
+    ({"params": {"top_p": 0}}, "top_p"),
+    ({"prompt_token_ids": [5, 10_000]}, "prompt token ids"),
+])
+def test_bad_input_is_named_and_the_rest_of_the_batch_finishes(tiny_llama, bad, needle):
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    good = {"prompt_token_ids": [5, 6, 7, 8]}
+    bad_prompt = {"prompt_token_ids": bad["prompt_token_ids"]} if "prompt_token_ids" in bad else bad.get(
+        "prompt", good)
+    params = [GREEDY, bad.get("params", GREEDY), GREEDY]
+    with pytest.raises(GenerateError) as err:
+        llm.generate([good, bad_prompt, "hello world"], params)
+    assert list(err.value.errors) == [1]
+    assert needle in err.value.errors[1] and needle in str(err.value)
+    outs = err.value.outputs
+    assert outs[1] is None
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 24
+    assert outs[2].finish_reason == "length"
+    assert_pool_clean(llm.engine)
+
+
+def test_stop_conditions(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    base = llm.generate({"prompt_token_ids": [40, 41, 42]}, GREEDY)[0]
+    # A stop token id: generation ends on it, and it is the last token returned.
+    stop_tok = base.token_ids[5]
+    out = llm.generate({"prompt_token_ids": [40, 41, 42]},
+                       SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]))[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    # A stop string cuts the text before it.
+    text = base.text
+    needle = text[len(text) // 2: len(text) // 2 + 3]
+    if needle.strip():
+        out = llm.generate({"prompt_token_ids": [40, 41, 42]},
+                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[needle]))[0]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == needle
+        assert out.text == text[: text.index(needle)]
+    # min_tokens keeps the stop token away until reached.
+    out = llm.generate({"prompt_token_ids": [40, 41, 42]},
+                       SamplingParams(temperature=0, max_tokens=24, min_tokens=first + 3,
+                                      stop_token_ids=[stop_tok]))[0]
+    assert len(out.token_ids) >= first + 3
+    assert_pool_clean(llm.engine)
+
+
+def test_seeded_sampling_does_not_depend_on_batch_company(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": [9, 8, 7]}, p)[0].token_ids
+    others = [{"prompt_token_ids": q} for q in prompts(5)]
+    crowd = llm.generate([{"prompt_token_ids": [9, 8, 7]}] + others,
+                         [p] + [SamplingParams(temperature=1.0, max_tokens=10)] * 5)[0].token_ids
+    assert alone == crowd
+    other_seed = llm.generate({"prompt_token_ids": [9, 8, 7]},
+                              SamplingParams(temperature=0.9, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_logprobs_are_those_of_the_model_distribution(tiny_llama):
+    import torch
+
+    path, hf = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    out = llm.generate({"prompt_token_ids": [3, 4, 5, 6]},
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 4
+    with torch.no_grad():
+        ref = hf(torch.tensor([[3, 4, 5, 6] + out.token_ids])).logits[0, 3:7].float().log_softmax(-1)
+    for i, lp in enumerate(lps):
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - ref[i, lp.token_id].item()) < 1e-4
+        assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy picks the most likely token
+
+
+def test_embedded_model_knows_the_capital_of_france():
+    llm = LLM(max_total_tokens=4096)
+    assert llm.engine.load_seconds < 60
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=40))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+    assert_pool_clean(llm.engine)
