@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype; the reference does the same.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,19 +71,19 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(self.config)
         pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated): one op fewer per use.
+        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(device)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [N, Hq, D], k: [N, Hkv, D]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for the step's tokens, [N, 1, D]: gathered once per forward for all layers."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def apply(cos_sin, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, heads, D]
+        cos, sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -96,16 +98,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, attn) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(n, c.num_attention_heads, c.head_dim)
-        k = k.view(n, c.num_key_value_heads, c.head_dim)
+        qk, v = self.qkv_proj(x).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
+        qk = qk.view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # Rope on q and k heads together: one pass instead of two.
+        q, k = Rotary.apply(cos_sin, qk).split([c.num_attention_heads, c.num_key_value_heads], dim=1)
         out = attn.forward(q, k, v, self.layer_id)
         return self.o_proj(out.reshape(n, c.q_size))
 
@@ -130,8 +133,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+    def forward(self, x, cos_sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,8 +154,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
+            x = layer(x, cos_sin, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,11 +59,22 @@ class KVPool:
     def layer(self, layer_id: int) -> torch.Tensor:
         return self.data[layer_id]
 
-    def write(self, layer_id: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store new tokens' K and V ([N, kv_heads, head_dim]) at (page, offset) slots."""
-        layer = self.data[layer_id]
-        layer[pages, 0, offsets] = k.to(self.dtype)
-        layer[pages, 1, offsets] = v.to(self.dtype)
+    def rows(self, layer_id: int) -> torch.Tensor:
+        """One layer as [pages * 2 * page_size, kv_heads, head_dim]: row (page*2 + kv)*page_size + slot.
+
+        Indexing rows of this view is a plain gather; indexing (page, :, slot) of the 5-d layer instead
+        makes torch move the whole layer, since the two indexed dims are not adjacent."""
+        return self.data[layer_id].view(-1, self.kv_heads, self.head_dim)
+
+    def kv_rows(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Row indices [..., 2] of the K and V of the tokens at (pages, offsets) in `rows()`."""
+        k = pages * (2 * self.page_size) + offsets
+        return torch.stack([k, k + self.page_size], dim=-1)
+
+    def write(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store new tokens' K and V ([N, kv_heads, head_dim]) at `rows` ([N, 2], from kv_rows)."""
+        self.rows(layer_id)[rows.view(-1)] = torch.stack([k, v], dim=1).view(-1, self.kv_heads, self.head_dim).to(
+            self.dtype)
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, page_size: int, bytes_per_token: int) -> int:

@@ -88,7 +88,7 @@ def test_pool_layout_writes_tokens_into_their_page_slots():
                   device="cpu")
     assert pool.max_total_num_tokens == 3 * PS
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    pool.write(1, torch.tensor([2, 2, 3]), torch.tensor([0, 3, 1]), k, v)
+    pool.write(1, pool.kv_rows(torch.tensor([2, 2, 3]), torch.tensor([0, 3, 1])), k, v)
     layer = pool.layer(1)
     assert torch.equal(layer[2, 0, 3], k[1]) and torch.equal(layer[3, 1, 1], v[2])
     assert pool.layer(0).abs().sum() == 0 and layer[0].abs().sum() == 0  # the padding page stays zero

@@ -31,9 +31,9 @@ class _TorchStep(AttentionStep):
         table = torch.zeros(bsz, max_pages, dtype=torch.long, device=dev)
         table[torch.arange(max_pages, device=dev)[None, :] < n_pages[:, None]] = x.kv_indices.long()
         j = torch.arange(kv_len, device=dev)
-        # (page, slot) of every padded KV position; padding points at the reserved zero page.
-        self.gather_pages = table.gather(1, (j // ps)[None, :].expand(bsz, -1))
-        self.gather_slots = (j % ps)[None, :].expand(bsz, -1)
+        # Pool rows of every padded KV position ([B, L, 2]); padding points at the reserved zero page.
+        self.gather_rows = pool.kv_rows(table.gather(1, (j // ps)[None, :].expand(bsz, -1)), (j % ps)[None, :])
+        self.write_rows = pool.kv_rows(x.out_pages, x.out_offsets)
 
         i = torch.arange(q_len, device=dev)
         q_pos = x.prefix_lens.long()[:, None] + i[None, :]  # [B, Qmax] absolute position of each query
@@ -53,10 +53,11 @@ class _TorchStep(AttentionStep):
 
     def forward(self, q, k, v, layer_id):
         x = self.x
-        self.pool.write(layer_id, x.out_pages, x.out_offsets, k, v)
-        layer = self.pool.layer(layer_id)
-        keys = layer[self.gather_pages, 0, self.gather_slots].to(q.dtype)  # [B, L, Hkv, D]
-        values = layer[self.gather_pages, 1, self.gather_slots].to(q.dtype)
+        self.pool.write(layer_id, self.write_rows, k, v)
+        rows = self.pool.rows(layer_id)
+        # index_select on flat indices is the fast gather on CPU; advanced indexing is several times slower.
+        kv = rows.index_select(0, self.gather_rows.view(-1)).view(*self.gather_rows.shape, *rows.shape[1:])
+        keys, values = kv.to(q.dtype).unbind(2)  # [B, L, Hkv, D]
         bsz, q_len = x.batch_size, x.max_extend_len
         heads, dim = q.shape[1], q.shape[2]
         if self.dense:
