@@ -55,6 +55,8 @@ class Engine:
         self.eos_ids = tuple(sorted(eos))
         self._rng = random.Random(args.random_seed)
         self.requests: dict[str, Request] = {}
+        self.awaiting: dict[str, Request] = {}  # pages reserved, KV being written by a prefill worker
+        self.held: dict[str, Request] = {}  # finished prefill requests whose pages are still being sent
         self.load_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.2fs: %s, %s on %s, attention=%s, max_total_num_tokens=%d",
                     self.load_seconds, self.config.model_type, args.torch_dtype, self.device, backend,
@@ -85,7 +87,7 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
-                     rid: str | None = None) -> Request:
+                     rid: str | None = None, detokenize: bool = True, prefill_only: bool = False) -> Request:
         """Validate and build a request; raises ValueError naming the problem."""
         if params is None:
             params = SamplingParams()
@@ -109,6 +111,8 @@ class Engine:
                              f"(at least one token must be left to generate)")
         max_len = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
                                                                              len(ids) + params.max_tokens)
+        if prefill_only:  # a prefill worker samples the first token only; decode goes on elsewhere
+            max_len = len(ids) + 1
         if max_len > self.pool.max_total_num_tokens:
             raise ValueError(f"request needs up to {max_len} tokens of KV cache but the pool holds "
                              f"{self.pool.max_total_num_tokens}; lower max_tokens")
@@ -117,28 +121,72 @@ class Engine:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (size {self.config.vocab_size})")
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
-                                       params.skip_special_tokens)
+        detok = None
+        if detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed,
-                       stop_ids=stop_ids, max_len=max_len, detok=detok)
+                       stop_ids=stop_ids, max_len=max_len, detok=detok, hold_pages=prefill_only)
 
-    def add_request(self, prompt, params=None, rid: str | None = None) -> Request:
-        req = self.make_request(prompt, params, rid)
-        if req.rid in self.requests:
-            raise ValueError(f"request id {req.rid!r} is already in use")
+    def add_request(self, prompt, params=None, rid: str | None = None, detokenize: bool = True,
+                    prefill_only: bool = False) -> Request:
+        req = self.make_request(prompt, params, rid, detokenize, prefill_only)
+        self._claim_rid(req.rid)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req
 
+    def _claim_rid(self, rid: str) -> None:
+        if rid in self.requests or rid in self.awaiting or rid in self.held:
+            raise ValueError(f"request id {rid!r} is already in use")
+
     def abort(self, rid: str) -> bool:
         req = self.requests.pop(rid, None)
-        if req is None:
-            return False
-        self.scheduler.finish(req)
+        if req is not None:
+            self.scheduler.finish(req)
+        else:
+            req = self.awaiting.pop(rid, None) or self.held.pop(rid, None)
+            if req is None:
+                return False
+            self.scheduler.release(req, cache=False)
         req.finish_reason = "abort"
+        req.status = Status.FINISHED
         return True
 
+    # --- KV computed elsewhere (decode role) ---------------------------------------------------------------
+    def reserve(self, rid: str, prompt_ids: list[int], params) -> tuple[Request, int] | None:
+        """Pages for a request whose prompt KV another worker will write. Returns (request, skip_pages), where
+        the first skip_pages pages already hold the prompt's prefix (from this pool's cache), or None when
+        the pool has no room now. Raises ValueError for an invalid request."""
+        req = self.make_request(list(prompt_ids), params, rid, detokenize=False)
+        self._claim_rid(req.rid)
+        if not self.scheduler.reserve(req):
+            return None
+        self.awaiting[req.rid] = req
+        return req, req.kv_len // self.args.page_size
+
+    def kv_arrived(self, rid: str, first_token: int, logprob: Logprob | None = None) -> Request | None:
+        """The prompt's KV landed in the reserved pages: start decoding after `first_token`."""
+        req = self.awaiting.pop(rid, None)
+        if req is None:
+            return None
+        req.kv_len = req.prompt_len
+        req.status = Status.RUNNING
+        self.requests[rid] = req
+        self.scheduler.running.append(req)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self._append(req, first_token)
+        return req
+
+    def drop_held(self, rid: str) -> None:
+        """A prefill worker's request whose KV was sent (or failed to be): free its pages."""
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.scheduler.release(req)
+
     def has_work(self) -> bool:
+        """Whether step() has anything to compute (requests awaiting KV from elsewhere do not count)."""
         return self.scheduler.has_work()
 
     # --- one step ----------------------------------------------------------------------------------------
@@ -178,19 +226,25 @@ class Engine:
         if tok in req.stop_ids:
             req.finish_reason, req.stop_reason = "stop", (None if tok in self.eos_ids else tok)
         else:
-            req.detok.add(tok)
-            if req.detok.stopped_by is not None:
+            if req.detok is not None:
+                req.detok.add(tok)
+            if req.detok is not None and req.detok.stopped_by is not None:
                 req.finish_reason, req.stop_reason = "stop", req.detok.stopped_by
             elif len(req.tokens) >= req.max_len:
                 req.finish_reason = "length"
         if req.finish_reason is not None:
-            req.detok.flush()
-            self.scheduler.finish(req)
+            if req.detok is not None:
+                req.detok.flush()
             self.requests.pop(req.rid, None)
+            if req.hold_pages:
+                self.scheduler.finish(req, release=False)
+                self.held[req.rid] = req
+            else:
+                self.scheduler.finish(req)
 
     def check(self) -> None:
         """Raise if page accounting is off (free + cached + in use != total, or a count is wrong)."""
-        self.scheduler.check()
+        self.scheduler.check(extra_owners=list(self.awaiting.values()) + list(self.held.values()))
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; only when idle (returns False otherwise)."""
@@ -209,6 +263,9 @@ class Engine:
             "used_pages": total - self.allocator.num_free,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "awaiting_kv": len(self.awaiting),
+            "queued_prefill_tokens": sum(len(r.tokens) - r.kv_len for r in self.scheduler.waiting)
+            + sum(len(r.tokens) - r.kv_len for r in self.scheduler.running if len(r.tokens) - r.kv_len > 1),
             "retracted": self.scheduler.num_retracted,
             "prefix_query_tokens": self.cache.query_tokens if self.cache else 0,
             "prefix_hit_tokens": self.cache.hit_tokens if self.cache else 0,

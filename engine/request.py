@@ -44,6 +44,10 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    # Server mode: output tokens already sent to the client; hold_pages keeps the KV after finishing
+    # (a prefill worker frees it only once the pages reached the decode worker).
+    reported: int = 0
+    hold_pages: bool = False
 
     def __post_init__(self):
         if not self.tokens:

@@ -115,19 +115,26 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request, budget: int) -> bool:
-        if self.cache is not None and req.kv_len == 0:
-            # Leave at least one token to compute: its logits give the next token.
-            matched = self.cache.match(req.tokens[: len(req.tokens) - 1])
-            if matched:
-                self.allocator.retain(matched)
-                req.pages = list(matched)
-                req.kv_len = len(matched) * self.config.page_size
-            req.cached_tokens = min(req.kv_len, req.prompt_len)
-        n = min(len(req.tokens) - req.kv_len, budget)
-        need = self._pages_for(req.kv_len + n) - len(req.pages)
+        # Leave at least one token to compute: its logits give the next token.
+        self._match(req, len(req.tokens) - 1)
+        req.cached_tokens = min(req.kv_len, req.prompt_len)
+        return self._take_for(req, req.kv_len + min(len(req.tokens) - req.kv_len, budget))
+
+    def _match(self, req: Request, num_tokens: int) -> None:
+        """Share the cached pages of the longest whole-page prefix of req.tokens[:num_tokens]."""
+        if self.cache is None or req.kv_len:
+            return
+        matched = self.cache.match(req.tokens[:num_tokens])
+        if matched:
+            self.allocator.retain(matched)
+            req.pages = list(matched)
+            req.kv_len = len(matched) * self.config.page_size
+
+    def _take_for(self, req: Request, num_tokens: int) -> bool:
+        """Pages to cover num_tokens; False, and req holds nothing, if there is no room."""
+        need = self._pages_for(num_tokens) - len(req.pages)
         # Keep a page per running request in hand, so admitting does not immediately force a retraction.
-        reserve = len(self.running)
-        pages = self._take(need + reserve)
+        pages = self._take(need + len(self.running))
         if pages is None:
             self.allocator.release(req.pages)
             req.pages, req.kv_len = [], 0
@@ -153,10 +160,18 @@ class Scheduler:
                 self.allocator.release([req.pages[i]])
                 req.pages[i] = p
 
-    def release(self, req: Request) -> None:
-        self.cache_pages(req)
+    def release(self, req: Request, cache: bool = True) -> None:
+        if cache:
+            self.cache_pages(req)
         self.allocator.release(req.pages)
         req.pages = []
+
+    def reserve(self, req: Request) -> bool:
+        """Pages for the whole prompt of a request whose KV arrives from elsewhere; cached prefix pages are
+        shared (req.kv_len says how many tokens they cover). False, holding nothing, if there is no room."""
+        self._match(req, req.prompt_len - 1)
+        req.cached_tokens = req.kv_len
+        return self._take_for(req, req.prompt_len)
 
     def retract(self, req: Request) -> None:
         self.running.remove(req)
@@ -171,18 +186,19 @@ class Scheduler:
             pos += 1
         self.waiting.insert(pos, req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, release: bool = True) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.release(req)
+        if release:
+            self.release(req)
         req.status = Status.FINISHED
 
-    def check(self) -> None:
+    def check(self, extra_owners=()) -> None:
         """Self-check of page accounting: every page's count equals its owners (requests + the cache)."""
         owners: dict[int, int] = {}
-        for req in list(self.running) + list(self.waiting):
+        for req in list(self.running) + list(self.waiting) + list(extra_owners):
             for p in req.pages:
                 owners[p] = owners.get(p, 0) + 1
         cached = self.cache.page_ids() if self.cache is not None else []

@@ -1,0 +1,39 @@
+"""KV transfer engines, chosen by name; implementations import lazily (nixl is optional)."""
+
+from __future__ import annotations
+
+import importlib
+
+from transfer.base import SendResult, TransferEngine
+
+_BACKENDS = {"tcp": "transfer.tcp:TcpTransfer", "nixl": "transfer.nixl:NixlTransfer"}
+
+
+def available_backends() -> list[str]:
+    names = ["tcp"]
+    try:
+        from transfer.nixl import nixl_available
+
+        if nixl_available():
+            names.append("nixl")
+    except ImportError:
+        pass
+    return names
+
+
+def create_transfer(name: str, pool, worker_id: str, host: str) -> TransferEngine:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; choose from {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(pool, worker_id, host)
+
+
+def agree(prefill: list[str], decode: list[str], wanted: str = "auto") -> str | None:
+    """The backend a prefill-decode pair uses: the one asked for, or under auto the fastest both have."""
+    common = [b for b in ("nixl", "tcp") if b in prefill and b in decode]
+    if wanted == "auto":
+        return common[0] if common else None
+    return wanted if wanted in common else None
+
+
+__all__ = ["SendResult", "TransferEngine", "agree", "available_backends", "create_transfer"]

@@ -1,0 +1,154 @@
+"""Messages between pdserve processes: typed structs, msgpack on the wire, never pickle.
+
+Flow of one disaggregated request (each arrow one message, PUSH -> PULL sockets):
+    coordinator --Allocate--> decode --Allocated/Rejected--> coordinator
+    coordinator --Prefill--> prefill --(KV pages over the transfer engine, then KVReady)--> decode
+    decode --TokenBatch (one per step, all its requests)--> coordinator
+A colocated worker takes Generate instead of Allocate + Prefill. Abort goes to every worker holding the
+request. Workers report themselves with Heartbeat (to the coordinator, or to Redis).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLoad(msgspec.Struct):
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    pending_allocations: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    total_pages: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    retracted: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_count: int = 0
+    transfer_failures: int = 0
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """What two pools must agree on to exchange pages."""
+
+    num_layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class WorkerInfo(msgspec.Struct):
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    host: str
+    ctrl_addr: str  # where the worker's PULL socket listens
+    model: str
+    layout: KVLayout
+    max_total_tokens: int
+    max_model_len: int
+    transfer: dict[str, bytes] = {}  # backend name -> what a peer needs to reach this worker
+    load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
+    pid: int = 0
+    started_at: float = 0.0
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    info: WorkerInfo
+
+
+class Generate(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    params: dict
+    reply_to: str
+
+
+class Allocate(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    params: dict
+    reply_to: str
+    wait_s: float  # how long the decode worker may hold the request before it has room
+
+
+class Allocated(msgspec.Struct, tag=True):
+    rid: str
+    worker_id: str
+    pages: list[int]
+    skip_pages: int  # leading pages the decode worker already has (from its prefix cache)
+
+
+class Rejected(msgspec.Struct, tag=True):
+    rid: str
+    worker_id: str
+    reason: str
+    retryable: bool = True
+
+
+class Prefill(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    params: dict
+    reply_to: str
+    decode_id: str
+    decode_ctrl: str
+    backend: str  # transfer backend agreed for this pair
+    dst_pages: list[int]
+    skip_pages: int
+
+
+class KVReady(msgspec.Struct, tag=True):
+    """Prefill -> decode: the request's KV is in the decode pool; here is the first token."""
+
+    rid: str
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class TokenDelta(msgspec.Struct):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    worker_id: str
+    items: list[TokenDelta]
+
+
+Message = Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | TokenBatch
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes):
+    """The message, or None for a malformed frame (logged): a bad frame never takes a process down."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        logger.warning("dropped a malformed message (%d bytes): %s", len(data), e)
+        return None

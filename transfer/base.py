@@ -1,0 +1,95 @@
+"""The transfer engine interface: move a request's KV pages from a prefill pool into a decode pool.
+
+Sender side (prefill worker): `send()` a list of source pages to destination pages, for all layers, with a
+notification that the receiver gets only after all the bytes have landed; `poll_sent()` reports each send as
+done or failed; once done, the sender may free its source pages.
+
+Receiver side (decode worker): `expect()` a request before its pages can arrive; `poll_received()` returns
+the notifications of requests whose KV is complete; `forget()` stops expecting a request (abort, timeout).
+Whether `forget()` is final depends on the backend: a two-sided backend (tcp) writes pages itself and drops
+data for requests it no longer expects, so the pages can be reused at once; a one-sided backend (nixl) lets
+the sender write remotely, so pages of a forgotten request stay quarantined until its notification arrives
+or the transfer timeout passes (`one_sided`).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from engine.protocol import KVLayout
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    count: int = 0
+    failures: int = 0
+
+
+@dataclass
+class SendResult:
+    rid: str
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class TransferEngine(ABC):
+    name: str = ""
+    one_sided: bool = False
+
+    def __init__(self, pool, worker_id: str, host: str):
+        self.pool = pool
+        self.worker_id = worker_id
+        self.host = host
+        self.stats = TransferStats()
+        p = pool
+        self.layout = KVLayout(p.num_layers, p.page_size, p.kv_heads, p.head_dim, str(p.dtype).removeprefix("torch."))
+
+    @abstractmethod
+    def endpoint(self) -> bytes:
+        """What a peer needs to send to this worker (published in the registry)."""
+
+    @abstractmethod
+    def send(self, rid: str, peer_id: str, peer_endpoint: bytes, src_pages: list[int], dst_pages: list[int],
+             notify: bytes) -> None: ...
+
+    @abstractmethod
+    def poll_sent(self) -> list[SendResult]: ...
+
+    @abstractmethod
+    def expect(self, rid: str, dst_pages: list[int]) -> None: ...
+
+    @abstractmethod
+    def forget(self, rid: str) -> None: ...
+
+    @abstractmethod
+    def poll_received(self) -> list[tuple[str, bytes]]:
+        """(rid, notification) of every request whose pages all arrived since the last call."""
+
+    def sockets(self) -> list:
+        """ZMQ sockets the worker loop should wake up on (none for backends that progress on their own)."""
+        return []
+
+    def drop_peer(self, peer_id: str) -> None:
+        """A peer left: release what this engine keeps for it."""
+
+    def close(self) -> None:
+        pass
+
+    def _record(self, result: SendResult) -> SendResult:
+        if result.ok:
+            self.stats.bytes += result.nbytes
+            self.stats.seconds += result.seconds
+            self.stats.count += 1
+        else:
+            self.stats.failures += 1
+        return result
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,163 @@
+"""NIXL transfer (UCX backend): the sender writes pages straight into the receiver's registered pool.
+
+Each pool is registered once. Descriptors cut it into (layer, page) blocks, so a request's transfer is a
+list of block indices on both sides; NIXL delivers the notification (the KVReady message) after the data.
+Host memory on a CPU machine, device memory on a GPU. Writes are one-sided: see transfer/base.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import msgspec
+import numpy as np
+
+from transfer.base import SendResult, TransferEngine, now
+
+logger = logging.getLogger(__name__)
+
+
+def _nixl_api():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu13._api import nixl_agent, nixl_agent_config
+        except ImportError:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def nixl_available() -> bool:
+    try:
+        _nixl_api()
+        return True
+    except ImportError:
+        return False
+
+
+class _Endpoint(msgspec.Struct):
+    agent_meta: bytes
+    base: int
+    num_layers: int
+    num_pages: int
+    block_bytes: int  # one page of one layer
+    mem: str
+    device_id: int
+
+
+class NixlTransfer(TransferEngine):
+    name = "nixl"
+    one_sided = True
+
+    def __init__(self, pool, worker_id: str, host: str):
+        super().__init__(pool, worker_id, host)
+        nixl_agent, nixl_agent_config = _nixl_api()
+        # Agent names must be unique per process lifetime: a restarted worker is a new agent to its peers.
+        self.agent_name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        data = pool.data
+        self.mem = "VRAM" if data.is_cuda else "DRAM"
+        self.device_id = data.device.index or 0 if data.is_cuda else 0
+        self.reg = self.agent.register_memory(data)
+        self.block_bytes = pool.page_bytes // pool.num_layers
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._blocks(data.data_ptr(), pool.num_layers,
+                                                pool.num_pages, self.block_bytes, self.device_id), self.mem)
+        self.remotes: dict[str, tuple[str, object, _Endpoint]] = {}  # peer -> (agent name, dlist, endpoint)
+        self.pending: dict[str, tuple[object, float, int]] = {}  # rid -> (handle, start, bytes)
+        self.done: list[SendResult] = []
+        self.expected: set[str] = set()
+
+    @staticmethod
+    def _blocks(base: int, layers: int, pages: int, block: int, dev: int) -> np.ndarray:
+        # Block (layer, page) at base + (layer * pages + page) * block: the pool is [layers, pages, ...].
+        addrs = base + np.arange(layers * pages, dtype=np.int64) * block
+        return np.stack([addrs, np.full_like(addrs, block), np.full_like(addrs, dev)], axis=1)
+
+    def endpoint(self) -> bytes:
+        p = self.pool
+        return msgspec.msgpack.encode(_Endpoint(self.agent.get_agent_metadata(), p.data.data_ptr(), p.num_layers,
+                                                p.num_pages, self.block_bytes, self.mem, self.device_id))
+
+    def _remote(self, peer_id: str, endpoint: bytes):
+        if peer_id not in self.remotes:
+            ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
+            if ep.block_bytes != self.block_bytes or ep.num_layers != self.pool.num_layers:
+                raise ValueError(f"peer {peer_id} has a different KV layout")
+            name = self.agent.add_remote_agent(ep.agent_meta)
+            if isinstance(name, bytes):
+                name = name.decode()
+            dl = self.agent.prep_xfer_dlist(name, self._blocks(ep.base, ep.num_layers, ep.num_pages, ep.block_bytes,
+                                                               ep.device_id), ep.mem)
+            self.remotes[peer_id] = (name, dl, ep)
+        return self.remotes[peer_id]
+
+    def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
+        t0 = now()
+        try:
+            if len(src_pages) != len(dst_pages):
+                raise ValueError("page count mismatch")
+            _, remote_dl, ep = self._remote(peer_id, peer_endpoint)
+            layers = np.arange(self.pool.num_layers, dtype=np.int64)[:, None]
+            local_idx = (layers * self.pool.num_pages + np.asarray(src_pages, dtype=np.int64)[None, :]).ravel()
+            remote_idx = (layers * ep.num_pages + np.asarray(dst_pages, dtype=np.int64)[None, :]).ravel()
+            handle = self.agent.make_prepped_xfer("WRITE", self.local, local_idx.astype(np.int32).tolist(),
+                                                  remote_dl, remote_idx.astype(np.int32).tolist(), notify)
+            state = self.agent.transfer(handle)
+        except Exception as e:  # NIXL raises its own error types
+            self.done.append(self._record(SendResult(rid, False, f"nixl: {e}")))
+            return
+        if state == "ERR":
+            self.done.append(self._record(SendResult(rid, False, "nixl: transfer failed to post")))
+            return
+        self.pending[rid] = (handle, t0, len(local_idx) * self.block_bytes)
+
+    def poll_sent(self):
+        for rid, (handle, t0, nbytes) in list(self.pending.items()):
+            state = self.agent.check_xfer_state(handle)
+            if state == "PROC":
+                continue
+            del self.pending[rid]
+            self.agent.release_xfer_handle(handle)
+            ok = state == "DONE"
+            self.done.append(self._record(SendResult(rid, ok, "" if ok else "nixl: transfer failed", nbytes,
+                                                     now() - t0)))
+        out, self.done = self.done, []
+        return out
+
+    def expect(self, rid, dst_pages):
+        self.expected.add(rid)
+
+    def forget(self, rid):
+        self.expected.discard(rid)
+
+    def poll_received(self):
+        out = []
+        for _agent, msgs in self.agent.get_new_notifs().items():
+            for m in msgs:
+                out.append(m)
+        from engine.protocol import decode
+
+        got = []
+        for m in out:
+            msg = decode(bytes(m))
+            if msg is None or not hasattr(msg, "rid"):
+                continue
+            self.expected.discard(msg.rid)
+            got.append((msg.rid, bytes(m)))
+        return got
+
+    def drop_peer(self, peer_id):
+        entry = self.remotes.pop(peer_id, None)
+        if entry is not None:
+            name, dl, _ = entry
+            try:
+                self.agent.release_dlist_handle(dl)
+                self.agent.remove_remote_agent(name)
+            except Exception as e:
+                logger.warning("nixl: releasing peer %s: %s", peer_id, e)
+
+    def close(self):
+        for peer in list(self.remotes):
+            self.drop_peer(peer)
