@@ -75,6 +75,7 @@ class Allocate(msgspec.Struct, tag=True):
     prompt_ids: list[int]
     params: dict
     reply_to: str
+    backend: str  # transfer backend the KV will arrive by
     wait_s: float  # how long the decode worker may hold the request before it has room
 
 
@@ -100,6 +101,7 @@ class Prefill(msgspec.Struct, tag=True):
     decode_id: str
     decode_ctrl: str
     backend: str  # transfer backend agreed for this pair
+    decode_endpoint: bytes  # the decode worker's transfer endpoint for that backend
     dst_pages: list[int]
     skip_pages: int
 

@@ -1,0 +1,169 @@
+"""`pdserve`: coordinator, prefill, decode and colocated workers, and `up` for a local cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from engine.args import EngineArgs
+
+
+def _log(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _add_coordinator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 30000)))
+    p.add_argument("--zmq-host", default="127.0.0.1")
+    p.add_argument("--zmq-port", type=int, default=None)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--redis-url", default=None, help="worker registry in Redis (default: in the coordinator)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl"])
+    p.add_argument("--admission-timeout", type=float, default=30.0)
+    p.add_argument("--context-length", type=int, default=None)
+
+
+def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
+    EngineArgs.add_cli_args(p)
+    if role is None:
+        p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="control port (default: any free port)")
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--coordinator-addr", default=None, help="the coordinator's ZMQ address (no Redis)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--transfer-backends", default="auto", help="auto, or a list such as tcp,nixl")
+    p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--served-model-name", default=None)
+
+
+def run_coordinator(ns) -> None:
+    from coordinator.server import CoordinatorArgs, run_coordinator as run
+
+    run(CoordinatorArgs(host=ns.host, port=ns.port, zmq_host=ns.zmq_host, zmq_port=ns.zmq_port,
+                        model_path=ns.model_path, served_model_name=ns.served_model_name, redis_url=ns.redis_url,
+                        api_keys=tuple(ns.api_key), transfer_backend=ns.transfer_backend,
+                        admission_timeout_s=ns.admission_timeout, context_length=ns.context_length))
+
+
+def run_worker(ns, role: str) -> None:
+    from engine.worker import Worker, WorkerArgs
+
+    args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
+                      coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
+                      transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
+                      served_model_name=ns.served_model_name, engine=EngineArgs.from_cli_args(ns))
+    Worker(args).run()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_up(ns, engine_argv: list[str]) -> int:
+    """Start a coordinator and workers as child processes; stop them all on Ctrl-C or when one dies."""
+    from engine.loader import resolve_model_dir
+
+    resolve_model_dir(ns.model_path)  # convert a GGUF once, before every child wants it
+    zmq_port = _free_port(ns.host)
+    me = [sys.executable, "-m", "coordinator.cli"]
+    common = ["--model-path", ns.model_path] if ns.model_path else []
+    coord = me + ["coordinator", "--host", ns.host, "--port", str(ns.port), "--zmq-host", ns.host,
+                  "--zmq-port", str(zmq_port), "--transfer-backend", ns.transfer_backend] + common
+    if ns.redis_url:
+        coord += ["--redis-url", ns.redis_url]
+    for key in ns.api_key:
+        coord += ["--api-key", key]
+    reach = ["--redis-url", ns.redis_url] if ns.redis_url else ["--coordinator-addr", f"tcp://{ns.host}:{zmq_port}"]
+    plan = [("prefill", ns.prefill), ("decode", ns.decode)] if ns.colocated == 0 else [("colocated", ns.colocated)]
+    cmds = [coord]
+    for role, n in plan:
+        for _ in range(n):
+            cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv)
+    children = [subprocess.Popen(c) for c in cmds]
+
+    def stop(*_):
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        deadline = time.time() + 10
+        for c in children:
+            try:
+                c.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                c.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
+    url = f"http://{ns.host}:{ns.port}"
+    ready = False
+    try:
+        while True:
+            dead = [c for c in children if c.poll() is not None]
+            if dead:
+                print(f"pdserve: a child process exited (code {dead[0].returncode}); stopping the cluster",
+                      file=sys.stderr, flush=True)
+                return 1
+            if not ready:
+                try:
+                    with urllib.request.urlopen(f"{url}/health/ready", timeout=1) as r:
+                        ready = r.status == 200
+                except OSError:
+                    pass
+                if ready:
+                    desc = f"{ns.colocated} colocated" if ns.colocated else f"{ns.prefill} prefill + {ns.decode} decode"
+                    print(f"pdserve ready at {url} ({desc})", flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_coordinator_args(sub.add_parser("coordinator", help="the HTTP front door"))
+    _add_worker_args(sub.add_parser("prefill", help="a prefill worker"), "prefill")
+    _add_worker_args(sub.add_parser("decode", help="a decode worker"), "decode")
+    _add_worker_args(sub.add_parser("worker", help="a worker of any role"), None)
+    up = sub.add_parser("up", help="a local cluster: coordinator + workers (engine flags pass to workers)")
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--colocated", type=int, default=0)
+    up.add_argument("--model-path", default=None)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=int(os.environ.get("PORT", 30000)))
+    up.add_argument("--redis-url", default=None)
+    up.add_argument("--api-key", action="append", default=[])
+    up.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl"])
+    ns, rest = ap.parse_known_args(argv)
+    _log(ns.log_level)
+    if ns.cmd == "up":
+        return run_up(ns, rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if ns.cmd == "coordinator":
+        run_coordinator(ns)
+    elif ns.cmd == "worker":
+        run_worker(ns, ns.role)
+    else:
+        run_worker(ns, ns.cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

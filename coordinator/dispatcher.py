@@ -1,0 +1,323 @@
+"""The coordinator's side of the control plane: pick workers, place requests, route tokens back.
+
+One asyncio loop owns everything here. A request goes through
+    placement: a colocated worker (Generate), or a decode worker that reserves its pages (Allocate ->
+               Allocated) and then a prefill worker (Prefill) -- never prefill work with nowhere to go;
+    streaming: TokenBatch messages from the decode (or colocated) worker feed the request's queue.
+A watchdog fails the requests of workers that left the registry; a request still in prefill on a dead
+prefill worker is placed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from coordinator.registry import MemoryRegistry, Registry
+from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, Prefill, Rejected, TokenBatch,
+                             TokenDelta, WorkerInfo, decode, encode)
+from transfer import agree
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Tracked:
+    rid: str
+    prompt_ids: list[int]
+    params: dict
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode_id: str | None = None
+    prefill_id: str | None = None
+    first_token: bool = False
+    done: bool = False
+    alloc: Allocated | None = None
+    backend: str | None = None
+
+
+class _PrefixIndex:
+    """Which page-aligned prompt prefixes were sent to a prefill worker (an LRU of chained page hashes),
+    so the next request with the same prefix can go where its KV is likely cached."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.seen: OrderedDict[int, None] = OrderedDict()
+
+    @staticmethod
+    def hashes(tokens: list[int], page: int) -> list[int]:
+        out, h = [], 0
+        for i in range(0, len(tokens) - page + 1, page):
+            h = hash((h, tuple(tokens[i:i + page])))
+            out.append(h)
+        return out
+
+    def match(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.seen:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.seen[h] = None
+            self.seen.move_to_end(h)
+        while len(self.seen) > self.capacity:
+            self.seen.popitem(last=False)
+
+
+class Dispatcher:
+    def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int | None = None,
+                 transfer_backend: str = "auto", admission_timeout_s: float = 30.0):
+        self.registry = registry
+        self.transfer_backend = transfer_backend
+        self.admission_timeout_s = admission_timeout_s
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(f"tcp://{host}:{port or '*'}")
+        self.addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self.requests: dict[str, Tracked] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._prefill_inflight: dict[str, int] = {}  # worker -> prompt tokens sent, first token not back
+        self._decode_inflight: dict[str, int] = {}
+        self._prefix: dict[str, _PrefixIndex] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.workers: dict[str, WorkerInfo] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not isinstance(self.registry, MemoryRegistry):
+            await asyncio.to_thread(self.refresh)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watchdog())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for s in self._push.values():
+            s.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+    def _send(self, addr: str, msg) -> None:
+        sock = self._push.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(addr)
+            self._push[addr] = sock
+        try:
+            sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropped a %s to %s: its queue is full", type(msg).__name__, addr)
+
+    # --- incoming -------------------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            raw = await self.pull.recv()
+            msg = decode(raw)
+            if msg is None:
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop the loop
+                logger.exception("handling %s", type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Heartbeat):
+            if isinstance(self.registry, MemoryRegistry):
+                self.registry.put(msg.info)
+                self.workers[msg.info.worker_id] = msg.info
+        elif isinstance(msg, (Allocated, Rejected)):
+            fut = self._replies.pop(msg.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, TokenBatch):
+            for delta in msg.items:
+                self._deliver(delta)
+
+    def _deliver(self, delta: TokenDelta) -> None:
+        t = self.requests.get(delta.rid)
+        if t is None or t.done:
+            return
+        if not t.first_token and (delta.token_ids or delta.error or delta.finish_reason):
+            t.first_token = True
+            self._settle_prefill(t)
+        if delta.finish_reason is not None or delta.error is not None:
+            t.done = True
+            self._settle_decode(t)
+        t.queue.put_nowait(delta)
+
+    def _settle_prefill(self, t: Tracked) -> None:
+        if t.prefill_id is not None:
+            self._prefill_inflight[t.prefill_id] = self._prefill_inflight.get(t.prefill_id, 0) - len(t.prompt_ids)
+
+    def _settle_decode(self, t: Tracked) -> None:
+        if t.decode_id is not None:
+            self._decode_inflight[t.decode_id] = self._decode_inflight.get(t.decode_id, 0) - 1
+
+    # --- the registry's view -------------------------------------------------------------------------------
+    def refresh(self) -> dict[str, WorkerInfo]:
+        self.workers = {w.worker_id: w for w in self.registry.alive()}
+        return self.workers
+
+    def ready(self) -> bool:
+        roles = {w.role for w in self.workers.values()}
+        return "colocated" in roles or {"prefill", "decode"} <= roles
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                alive = await asyncio.to_thread(self.refresh) if not isinstance(self.registry, MemoryRegistry) \
+                    else self.refresh()
+            except Exception as e:
+                logger.warning("registry unreachable: %s", e)
+                continue
+            for t in list(self.requests.values()):
+                if t.done:
+                    continue
+                if t.decode_id is not None and t.decode_id not in alive:
+                    t.done = True
+                    self._settle_decode(t)
+                    t.queue.put_nowait(TokenDelta(t.rid, [], error=f"worker {t.decode_id} failed"))
+                elif t.prefill_id is not None and not t.first_token and t.prefill_id not in alive:
+                    asyncio.create_task(self._replace_prefill(t))
+
+    # --- placement ------------------------------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
+        """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""
+        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params))
+        self.requests[t.rid] = t
+        try:
+            await self._place(t, time.monotonic() + self.admission_timeout_s)
+        except BaseException:
+            self.requests.pop(t.rid, None)
+            raise
+        return t
+
+    async def _place(self, t: Tracked, deadline: float) -> None:
+        rejected: set[str] = set()
+        while True:
+            workers = list(self.workers.values())
+            colocated = [w for w in workers if w.role == "colocated"]
+            decodes = [w for w in workers if w.role == "decode" and w.worker_id not in rejected]
+            prefills = [w for w in workers if w.role == "prefill"]
+            if prefills and decodes:
+                if await self._place_disaggregated(t, prefills, decodes, deadline, rejected):
+                    return
+            elif colocated:
+                w = min(colocated, key=lambda w: (self._decode_inflight.get(w.worker_id, 0), -w.load.free_pages))
+                t.decode_id = w.worker_id
+                self._decode_inflight[w.worker_id] = self._decode_inflight.get(w.worker_id, 0) + 1
+                self._send(w.ctrl_addr, Generate(t.rid, t.prompt_ids, t.params, self.addr))
+                return
+            if time.monotonic() >= deadline:
+                raise PlacementError(503, "no worker could take the request in time")
+            if not (prefills and decodes) and not colocated:
+                rejected.clear()
+            await asyncio.sleep(0.05)
+
+    def _pick_prefill(self, t: Tracked, prefills: list[WorkerInfo]) -> WorkerInfo:
+        page = prefills[0].layout.page_size
+        hashes = _PrefixIndex.hashes(t.prompt_ids, page)
+
+        def key(w: WorkerInfo):
+            idx = self._prefix.setdefault(w.worker_id, _PrefixIndex())
+            return (self._prefill_inflight.get(w.worker_id, 0), -idx.match(hashes))
+
+        best = min(prefills, key=key)
+        self._prefix.setdefault(best.worker_id, _PrefixIndex()).add(hashes)
+        return best
+
+    async def _place_disaggregated(self, t, prefills, decodes, deadline, rejected) -> bool:
+        prefill = self._pick_prefill(t, prefills)
+        decodes.sort(key=lambda w: (self._decode_inflight.get(w.worker_id, 0) + w.load.running, -w.load.free_pages))
+        for dec in decodes:
+            backend = agree(list(prefill.transfer), list(dec.transfer), self.transfer_backend)
+            if backend is None or dec.layout != prefill.layout:
+                continue
+            fut = asyncio.get_running_loop().create_future()
+            self._replies[t.rid] = fut
+            wait = max(0.0, deadline - time.monotonic())
+            self._send(dec.ctrl_addr, Allocate(t.rid, t.prompt_ids, t.params, self.addr, backend, wait))
+            try:
+                reply = await asyncio.wait_for(fut, timeout=wait + 2.0)
+            except asyncio.CancelledError:  # the client left while the decode worker was reserving
+                self._replies.pop(t.rid, None)
+                self._send(dec.ctrl_addr, Abort(t.rid))
+                raise
+            except asyncio.TimeoutError:
+                self._replies.pop(t.rid, None)
+                self._send(dec.ctrl_addr, Abort(t.rid))
+                rejected.add(dec.worker_id)
+                continue
+            if isinstance(reply, Rejected):
+                if not reply.retryable:
+                    raise PlacementError(400, reply.reason)
+                rejected.add(dec.worker_id)
+                continue
+            t.decode_id = dec.worker_id
+            self._decode_inflight[dec.worker_id] = self._decode_inflight.get(dec.worker_id, 0) + 1
+            self._send_prefill(t, prefill, dec, backend, reply)
+            return True
+        return False
+
+    def _send_prefill(self, t: Tracked, prefill: WorkerInfo, dec: WorkerInfo, backend: str, alloc: Allocated):
+        t.prefill_id = prefill.worker_id
+        t.alloc = alloc
+        t.backend = backend
+        self._prefill_inflight[prefill.worker_id] = self._prefill_inflight.get(prefill.worker_id, 0) + len(t.prompt_ids)
+        self._send(prefill.ctrl_addr, Prefill(t.rid, t.prompt_ids, t.params, self.addr, dec.worker_id, dec.ctrl_addr,
+                                              backend, dec.transfer[backend], alloc.pages, alloc.skip_pages))
+
+    async def _replace_prefill(self, t: Tracked) -> None:
+        """The prefill worker died before the first token: the decode worker still holds the pages, so
+        send the prompt to another prefill worker."""
+        dead = t.prefill_id
+        self._settle_prefill(t)
+        t.prefill_id = None
+        dec = self.workers.get(t.decode_id)
+        candidates = [w for w in self.workers.values() if w.role == "prefill" and w.worker_id != dead]
+        if dec is None or not candidates or t.done:
+            t.done = True
+            self._settle_decode(t)
+            t.queue.put_nowait(TokenDelta(t.rid, [], error=f"prefill worker {dead} failed"))
+            return
+        logger.warning("prefill worker %s left; sending %s elsewhere", dead, t.rid)
+        self._send_prefill(t, self._pick_prefill(t, candidates), dec, t.backend, t.alloc)
+
+    def abort(self, rid: str) -> None:
+        """The client went away (or a stop string ended it): free the request on every worker."""
+        t = self.requests.pop(rid, None)
+        if t is None:
+            return
+        self._replies.pop(rid, None)
+        for wid in {t.decode_id, t.prefill_id} - {None}:
+            w = self.workers.get(wid)
+            if w is not None:
+                self._send(w.ctrl_addr, Abort(rid))
+        if not t.done:
+            t.done = True
+            if not t.first_token:
+                self._settle_prefill(t)
+            self._settle_decode(t)
+
+    def finish(self, rid: str) -> None:
+        self.requests.pop(rid, None)

@@ -1,0 +1,129 @@
+"""One request's stream at the coordinator: token ids from a worker in, text pieces out.
+
+Detokenization happens here, incrementally, so stop strings are checked here too: when one matches, the
+request is aborted on its worker and the stream ends with finish_reason "stop". Text that could still turn
+out to be the start of a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from coordinator.dispatcher import Dispatcher, Tracked
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int]
+    # Per streamed token: (token id, its text, logprob, [(top id, top logprob)]).
+    logprobs: list[tuple[int, str, float, list]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Generation:
+    def __init__(self, dispatcher: Dispatcher, tokenizer, prompt_ids: list[int], params: dict, metrics=None):
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.params = params
+        sp = SamplingParams.from_dict(params)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, sp.stop, sp.include_stop_str_in_output,
+                                            sp.skip_special_tokens)
+        self.metrics = metrics
+        self.tracked: Tracked | None = None
+        self.output_ids: list[int] = []
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.start = time.monotonic()
+        self._last = None
+        self._sent = 0
+
+    @property
+    def rid(self) -> str | None:
+        return self.tracked.rid if self.tracked else None
+
+    async def start_on_workers(self) -> None:
+        self.tracked = await self.dispatcher.submit(self.prompt_ids, self.params)
+
+    async def pieces(self):
+        """Yield Pieces until the request finishes; always leaves the workers clean (abort if cut short)."""
+        t = self.tracked
+        clean = False
+        try:
+            while True:
+                delta = await t.queue.get()
+                if delta.error is not None:
+                    clean = True  # the worker already dropped it
+                    self._outcome("error")
+                    raise WorkerFailed(delta.error)
+                piece = self._absorb(delta)
+                if piece.finish_reason is not None:
+                    clean = delta.finish_reason is not None
+                    self._outcome(piece.finish_reason)
+                    yield piece
+                    return
+                if piece.text or piece.token_ids:
+                    yield piece
+        finally:
+            if clean:
+                self.dispatcher.finish(t.rid)
+            else:
+                self.dispatcher.abort(t.rid)
+                if self.finish_reason is None:
+                    self._outcome("abort")
+
+    def _absorb(self, delta) -> Piece:
+        now = time.monotonic()
+        if self.metrics is not None and delta.token_ids:
+            if self._last is None:
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.itl.observe((now - self._last) / len(delta.token_ids))
+            self._last = now
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        ids = list(delta.token_ids)
+        # A worker ends with "stop" only on a stop token (EOS or stop_token_ids): count it, do not show it.
+        shown = ids[:-1] if delta.finish_reason == "stop" and ids else ids
+        piece = Piece("", [])
+        for i, tok in enumerate(ids):
+            self.output_ids.append(tok)
+            piece.token_ids.append(tok)
+            if i >= len(shown):
+                break
+            before = len(self.detok.text)
+            self.detok.add(tok)
+            if delta.logprobs is not None:
+                top = delta.top_logprobs[i] if delta.top_logprobs else []
+                piece.logprobs.append((tok, self.detok.text[before:], delta.logprobs[i], top))
+            if self.detok.stopped_by is not None:
+                piece.finish_reason, piece.stop_reason = "stop", self.detok.stopped_by
+                break
+        if piece.finish_reason is None and delta.finish_reason is not None:
+            self.detok.flush()
+            piece.finish_reason, piece.stop_reason = delta.finish_reason, delta.stop_reason
+        end = len(self.detok.text) if piece.finish_reason else self.detok.stream_len
+        piece.text = self.detok.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        self.finish_reason = piece.finish_reason
+        return piece
+
+    def _outcome(self, outcome: str) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.metrics.generation_tokens.inc(len(self.output_ids))
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text

@@ -1,0 +1,342 @@
+"""The coordinator's HTTP front door: OpenAI-compatible completions and chat, SGLang-style /generate,
+health, models and metrics. Errors always come in OpenAI's shape with the right status."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.dispatcher import Dispatcher, PlacementError
+from coordinator.generation import Generation, WorkerFailed
+from coordinator.metrics import Metrics
+from coordinator.openai_api import APIError, ParsedRequest, parse_chat, parse_completion, parse_generate
+from coordinator.registry import make_registry
+from engine.env import Env
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorArgs:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # ZMQ address workers reply to; port None picks a free one.
+    zmq_host: str = "127.0.0.1"
+    zmq_port: int | None = None
+    model_path: str | None = None
+    served_model_name: str | None = None
+    redis_url: str | None = None
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
+    transfer_backend: str = "auto"
+    # How long a request may wait for a worker with room before it gets 503.
+    admission_timeout_s: float = 30.0
+    context_length: int | None = None
+
+
+class Coordinator:
+    def __init__(self, args: CoordinatorArgs):
+        from engine.config import ModelConfig
+        from engine.loader import EMBEDDED_FILE, resolve_model_dir
+        from engine.tokenizer import Tokenizer
+
+        self.args = args
+        model_dir = resolve_model_dir(args.model_path)
+        self.tokenizer = Tokenizer(model_dir)
+        self.context_length = args.context_length or ModelConfig.from_dir(model_dir).max_position_embeddings
+        default_name = EMBEDDED_FILE.split(".")[0] if args.model_path is None else \
+            args.model_path.rstrip("/").split("/")[-1].removesuffix(".gguf")
+        self.model_name = args.served_model_name or default_name
+        self.api_keys = tuple(args.api_keys) or tuple(Env.api_keys())
+        self.registry = make_registry(args.redis_url)
+        self.dispatcher = Dispatcher(self.registry, args.zmq_host, args.zmq_port, args.transfer_backend,
+                                     args.admission_timeout_s)
+        self.metrics = Metrics(lambda: list(self.dispatcher.workers.values()))
+
+
+def create_app(args: CoordinatorArgs) -> FastAPI:
+    co = Coordinator(args)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await co.dispatcher.start()
+        logger.info("coordinator: http://%s:%d, workers report to %s", args.host, args.port, co.dispatcher.addr)
+        yield
+        await co.dispatcher.stop()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.coordinator = co
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        return error(APIError(400, f"invalid request: {e.errors()}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        logger.exception("unhandled error")
+        return error(APIError(500, "internal error"))
+
+    def check_auth(request: Request) -> None:
+        if not co.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(key, k) for k in co.api_keys):
+            raise APIError(401, "missing or invalid API key", type_="authentication_error",
+                           code="invalid_api_key")
+
+    async def read_json(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    def check_model(p: ParsedRequest) -> None:
+        if p.model is not None and p.model != co.model_name:
+            raise APIError(404, f"the model {p.model!r} does not exist; this server serves {co.model_name!r}",
+                           "model", code="model_not_found")
+
+    def prompt_ids(p: ParsedRequest) -> list[int]:
+        if p.messages is not None:
+            try:
+                ids = co.tokenizer.encode_chat(p.messages)
+            except Exception as e:  # a template that raises on these messages
+                raise APIError(400, f"chat template: {e}", "messages") from None
+        elif p.prompt_ids is not None:
+            ids = list(p.prompt_ids)
+            bad = [t for t in ids if not 0 <= t < co.tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"token ids out of the vocabulary: {bad[:3]}", "prompt")
+        else:
+            ids = co.tokenizer.encode(p.prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        ctx = co.context_length
+        if not p.max_tokens_given or p.params.get("max_tokens") is None:
+            p.params["max_tokens"] = max(1, ctx - len(ids))
+        want = len(ids) + p.params["max_tokens"]
+        if len(ids) >= ctx or want > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{want} tokens ({len(ids)} in the prompt, {p.params['max_tokens']} for the "
+                                f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
+                           code="context_length_exceeded")
+        return ids
+
+    async def start(p: ParsedRequest) -> Generation:
+        gen = Generation(co.dispatcher, co.tokenizer, prompt_ids(p), p.params, co.metrics)
+        try:
+            await gen.start_on_workers()
+        except PlacementError as e:
+            co.metrics.requests.labels("rejected").inc()
+            if e.status == 503:
+                raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
+            raise APIError(e.status, str(e)) from None
+        return gen
+
+    async def until_disconnect(request: Request, task: asyncio.Task):
+        """Run a non-streaming generation, cancelling it if the client goes away."""
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                break
+        return await task
+
+    async def collect(gen: Generation):
+        pieces = [p async for p in gen.pieces()]
+        return pieces
+
+    def usage(gen: Generation) -> dict:
+        n_prompt, n_out = len(gen.prompt_ids), len(gen.output_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def run(request: Request, p: ParsedRequest, render_full, render_chunk, render_first=None):
+        gen = await start(p)
+        rid = f"{'chatcmpl' if p.messages is not None else 'cmpl'}-{gen.rid}"
+        created = int(time.time())
+        if not p.stream:
+            try:
+                pieces = await until_disconnect(request, asyncio.create_task(collect(gen)))
+            except WorkerFailed as e:
+                raise APIError(503, f"the request failed on a worker: {e}", headers={"Retry-After": "1"}) from None
+            except asyncio.CancelledError:
+                return Response(status_code=499)
+            return JSONResponse(render_full(rid, created, gen, pieces))
+
+        async def events():
+            try:
+                if render_first is not None:
+                    yield sse(render_first(rid, created))
+                async for piece in gen.pieces():
+                    yield sse(render_chunk(rid, created, piece))
+                if p.include_usage:
+                    yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
+                               "choices": [], "usage": usage(gen)})
+            except WorkerFailed as e:
+                yield sse(APIError(503, f"the request failed on a worker: {e}").body())
+            yield "data: [DONE]\n\n"
+
+        chunk_object = "chat.completion.chunk" if p.messages is not None else "text_completion"
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # --- completions ----------------------------------------------------------------------------------------
+    def completion_logprobs(lps) -> dict:
+        return {"tokens": [t for _, t, _, _ in lps], "token_logprobs": [lp for _, _, lp, _ in lps],
+                "top_logprobs": [{co.tokenizer.decode([i], skip_special_tokens=False): v for i, v in top}
+                                 for _, _, _, top in lps], "text_offset": []}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        p = parse_completion(await read_json(request))
+        check_model(p)
+
+        def full(rid, created, gen, pieces):
+            lps = [x for piece in pieces for x in piece.logprobs]
+            return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
+                    "choices": [{"index": 0, "text": "".join(x.text for x in pieces),
+                                 "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
+                                 "finish_reason": gen.finish_reason, "stop_reason": pieces[-1].stop_reason}],
+                    "usage": usage(gen)}
+
+        def chunk(rid, created, piece):
+            return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
+                    "choices": [{"index": 0, "text": piece.text,
+                                 "logprobs": completion_logprobs(piece.logprobs) if p.logprobs is not None else None,
+                                 "finish_reason": piece.finish_reason}]}
+
+        return await run(request, p, full, chunk)
+
+    # --- chat -----------------------------------------------------------------------------------------------
+    def chat_logprobs(lps) -> dict:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": co.tokenizer.decode([i], skip_special_tokens=False),
+                                               "logprob": v} for i, v in top]} for _, t, lp, top in lps]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        check_auth(request)
+        p = parse_chat(await read_json(request))
+        check_model(p)
+
+        def full(rid, created, gen, pieces):
+            lps = [x for piece in pieces for x in piece.logprobs]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": co.model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(x.text for x in pieces)},
+                                 "logprobs": chat_logprobs(lps) if p.logprobs is not None else None,
+                                 "finish_reason": gen.finish_reason}],
+                    "usage": usage(gen)}
+
+        def first(rid, created):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+        def chunk(rid, created, piece):
+            delta = {"content": piece.text} if piece.text else {}
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
+                    "choices": [{"index": 0, "delta": delta,
+                                 "logprobs": chat_logprobs(piece.logprobs) if p.logprobs is not None else None,
+                                 "finish_reason": piece.finish_reason}]}
+
+        return await run(request, p, full, chunk, first)
+
+    # --- SGLang-style generate -------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        check_auth(request)
+        p = parse_generate(await read_json(request))
+        gen = await start(p)
+
+        def meta(finish):
+            return {"id": gen.rid, "prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
+                    "cached_tokens": gen.cached_tokens,
+                    "finish_reason": {"type": finish.finish_reason, "matched": finish.stop_reason}
+                    if finish and finish.finish_reason else None}
+
+        if not p.stream:
+            try:
+                pieces = await until_disconnect(request, asyncio.create_task(collect(gen)))
+            except WorkerFailed as e:
+                raise APIError(503, f"the request failed on a worker: {e}") from None
+            except asyncio.CancelledError:
+                return Response(status_code=499)
+            return JSONResponse({"text": gen.text, "output_ids": gen.output_ids, "meta_info": meta(pieces[-1])})
+
+        async def events():
+            try:
+                async for piece in gen.pieces():
+                    yield sse({"text": gen.text, "output_ids": list(gen.output_ids), "meta_info": meta(piece)})
+            except WorkerFailed as e:
+                yield sse(APIError(503, str(e)).body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # --- the rest --------------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": co.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": co.context_length}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready():
+        workers = list(co.dispatcher.workers.values())
+        roles = {r: sum(1 for w in workers if w.role == r) for r in ("prefill", "decode", "colocated")}
+        if not co.dispatcher.ready():
+            return JSONResponse({"status": "not ready", "workers": roles}, status_code=503)
+        return {"status": "ready", "workers": roles}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(co.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/workers")
+    async def workers(request: Request):
+        """The registry's view: role, address, load of every live worker (for pdctl and operators)."""
+        check_auth(request)
+        import msgspec
+
+        return [msgspec.to_builtins(w) for w in co.dispatcher.workers.values()]
+
+    return app
+
+
+def run_coordinator(args: CoordinatorArgs) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+

@@ -1,0 +1,180 @@
+"""A worker process: one engine, one poll loop, one role (prefill, decode or colocated).
+
+The loop: take control messages from the PULL socket, let the transfer engines progress, run one engine step
+when there is work, let the role report what happened, heartbeat. The role is an object the loop calls, so a
+worker can change role without reloading its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from engine.args import EngineArgs
+from engine.engine import Engine
+from engine.protocol import Heartbeat, KVLayout, WorkerInfo, WorkerLoad, decode, encode
+from transfer import available_backends, create_transfer
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    role: str = "colocated"
+    # Address the control socket binds; "tcp://127.0.0.1:*" picks a free port.
+    host: str = "127.0.0.1"
+    port: int | None = None
+    # Where heartbeats go: Redis (redis_url) or the coordinator's socket (coordinator_addr).
+    redis_url: str | None = None
+    coordinator_addr: str | None = None
+    worker_id: str | None = None
+    # Transfer backends to offer: "auto" = every one available here, or a comma-separated list.
+    transfer_backends: str = "auto"
+    # Seconds a decode worker waits for a request's KV before giving up on it.
+    transfer_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 0.5
+    served_model_name: str | None = None
+    engine: EngineArgs = field(default_factory=EngineArgs)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.redis_url and not self.coordinator_addr:
+            raise ValueError("a worker needs --redis-url or --coordinator-addr to announce itself")
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs, engine: Engine | None = None):
+        self.args = args
+        self.worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.engine = engine or Engine(args.engine)
+        self.ctx = zmq.Context()
+        self.ctrl = self.ctx.socket(zmq.PULL)
+        self.ctrl.setsockopt(zmq.LINGER, 0)
+        self.ctrl.bind(f"tcp://{args.host}:{args.port or '*'}")
+        self.ctrl_addr = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+        names = available_backends() if args.transfer_backends == "auto" else args.transfer_backends.split(",")
+        self.transfers = {n: create_transfer(n, self.engine.pool, self.worker_id, args.host) for n in names}
+        self._out: dict[str, zmq.Socket] = {}
+        self.registry = None
+        if args.redis_url:
+            from coordinator.registry import RedisRegistry
+
+            self.registry = RedisRegistry(args.redis_url)
+        self.stopping = False
+        self._next_heartbeat = 0.0
+        self.role = make_role(args.role, self)
+        logger.info("worker %s (%s) listening on %s, transfer: %s", self.worker_id, args.role, self.ctrl_addr,
+                    ", ".join(self.transfers))
+
+    # --- messaging ------------------------------------------------------------------------------------------
+    def send(self, addr: str, msg) -> bool:
+        sock = self._out.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(addr)
+            self._out[addr] = sock
+        try:
+            sock.send(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            logger.warning("dropped a %s to %s: its queue is full", type(msg).__name__, addr)
+            return False
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        s = e.stats()
+        tstats = [t.stats for t in self.transfers.values()]
+        load = WorkerLoad(
+            waiting=s["waiting"], running=s["running"], queued_prefill_tokens=s["queued_prefill_tokens"],
+            pending_allocations=self.role.pending(), free_pages=s["free_pages"], cached_pages=s["cached_pages"],
+            total_pages=s["total_pages"], prefix_query_tokens=s["prefix_query_tokens"],
+            prefix_hit_tokens=s["prefix_hit_tokens"], retracted=s["retracted"],
+            transfer_bytes=sum(t.bytes for t in tstats), transfer_seconds=sum(t.seconds for t in tstats),
+            transfer_count=sum(t.count for t in tstats), transfer_failures=sum(t.failures for t in tstats))
+        p = e.pool
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.args.role, host=self.args.host, ctrl_addr=self.ctrl_addr,
+            model=self.args.served_model_name or "default",
+            layout=KVLayout(p.num_layers, p.page_size, p.kv_heads, p.head_dim, str(p.dtype).removeprefix("torch.")),
+            max_total_tokens=p.max_total_num_tokens, max_model_len=e.max_model_len,
+            transfer={n: t.endpoint() for n, t in self.transfers.items()}, load=load, pid=os.getpid(),
+            started_at=time.time())
+
+    def heartbeat(self) -> None:
+        info = self.info()
+        if self.registry is not None:
+            try:
+                self.registry.put(info)
+            except Exception as e:  # Redis down: keep serving, try again next beat
+                logger.warning("heartbeat to Redis failed: %s", e)
+        else:
+            self.send(self.args.coordinator_addr, Heartbeat(info))
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        poller = zmq.Poller()
+        poller.register(self.ctrl, zmq.POLLIN)
+        for t in self.transfers.values():
+            for sock in t.sockets():
+                poller.register(sock, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                busy = self.engine.has_work()
+                poller.poll(0 if busy else (2 if self.role.waiting_on_transfers() else 20))
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        while True:
+            try:
+                raw = self.ctrl.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = decode(raw)
+            if msg is not None:
+                self.role.handle(msg)
+        self.role.poll_transfers()
+        if self.engine.has_work():
+            self.role.on_step(self.engine.step())
+        self.role.tick()
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.args.heartbeat_interval_s
+            self.heartbeat()
+
+    def close(self) -> None:
+        if self.registry is not None:
+            try:
+                self.registry.remove(self.worker_id)
+            except Exception:
+                pass
+        for t in self.transfers.values():
+            t.close()
+        for sock in self._out.values():
+            sock.close(0)
+        self.ctrl.close(0)
+        self.ctx.term()
+
+
+def make_role(name: str, worker: Worker):
+    if name == "prefill":
+        from prefill.role import PrefillRole
+
+        return PrefillRole(worker)
+    from decode.role import DecodeRole
+
+    return DecodeRole(worker)

@@ -1,0 +1,76 @@
+"""The prefill role: compute prompts in chunked batches, sample the first token, push the KV to the decode
+worker the coordinator chose, and tell it the first token once the pages have landed."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.protocol import Abort, KVReady, Prefill, TokenBatch, TokenDelta, encode
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillRole:
+    def __init__(self, worker):
+        self.w = worker
+        self.engine = worker.engine
+        self.meta: dict[str, Prefill] = {}
+
+    def pending(self) -> int:
+        return 0
+
+    def waiting_on_transfers(self) -> bool:
+        return bool(self.engine.held)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, Prefill):
+            self._prefill(msg)
+        elif isinstance(msg, Abort):
+            self.meta.pop(msg.rid, None)
+            self.engine.abort(msg.rid)
+        else:
+            logger.warning("prefill worker ignores %s", type(msg).__name__)
+
+    def _prefill(self, msg: Prefill) -> None:
+        if msg.backend not in self.w.transfers:
+            return self._fail(msg, f"transfer backend {msg.backend!r} is not offered by {self.w.worker_id}")
+        try:
+            req = self.engine.add_request(list(msg.prompt_ids), dict(msg.params), rid=msg.rid, detokenize=False,
+                                          prefill_only=True)
+        except (ValueError, TypeError) as e:
+            return self._fail(msg, str(e))
+        n_pages = -(-req.prompt_len // self.engine.args.page_size)
+        if len(msg.dst_pages) != n_pages or not 0 <= msg.skip_pages <= n_pages:
+            self.engine.abort(msg.rid)
+            return self._fail(msg, f"destination has {len(msg.dst_pages)} pages, the prompt needs {n_pages}")
+        self.meta[msg.rid] = msg
+
+    def _fail(self, msg: Prefill, error: str) -> None:
+        logger.warning("prefill of %s failed: %s", msg.rid, error)
+        self.w.send(msg.decode_ctrl, KVReady(msg.rid, -1, error=error))
+        self.w.send(msg.reply_to, TokenBatch(self.w.worker_id, [TokenDelta(msg.rid, [], error=error)]))
+
+    def on_step(self, reqs) -> None:
+        for req in reqs:
+            msg = self.meta.get(req.rid)
+            if msg is None or req.rid not in self.engine.held:
+                continue
+            lp = req.logprobs[0] if req.logprobs else None
+            ready = KVReady(req.rid, req.output_ids[0], lp.logprob if lp else None,
+                            list(lp.top) if lp else None, req.cached_tokens)
+            n_pages = len(msg.dst_pages)
+            skip = msg.skip_pages
+            self.w.transfers[msg.backend].send(
+                req.rid, msg.decode_id, msg.decode_endpoint, req.pages[skip:n_pages], msg.dst_pages[skip:],
+                encode(ready))
+
+    def poll_transfers(self) -> None:
+        for t in self.w.transfers.values():
+            for res in t.poll_sent():
+                self.engine.drop_held(res.rid)
+                msg = self.meta.pop(res.rid, None)
+                if not res.ok and msg is not None:
+                    self._fail(msg, f"KV transfer failed: {res.error}")
+
+    def tick(self) -> None:
+        pass
