@@ -182,6 +182,8 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         gen = await start(p)
         rid = f"{'chatcmpl' if p.messages is not None else 'cmpl'}-{gen.rid}"
         created = int(time.time())
+        # Which worker streams this request: for operators, and for tests that kill workers.
+        headers = {"X-PDServe-Worker": gen.tracked.decode_id or ""}
         if not p.stream:
             try:
                 pieces = await until_disconnect(request, asyncio.create_task(collect(gen)))
@@ -189,7 +191,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                 raise APIError(503, f"the request failed on a worker: {e}", headers={"Retry-After": "1"}) from None
             except asyncio.CancelledError:
                 return Response(status_code=499)
-            return JSONResponse(render_full(rid, created, gen, pieces))
+            return JSONResponse(render_full(rid, created, gen, pieces), headers=headers)
 
         async def events():
             try:
@@ -206,7 +208,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 
         chunk_object = "chat.completion.chunk" if p.messages is not None else "text_completion"
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     # --- completions ----------------------------------------------------------------------------------------
     def completion_logprobs(lps) -> dict:

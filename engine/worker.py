@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -65,14 +66,11 @@ class Worker:
         names = available_backends() if args.transfer_backends == "auto" else args.transfer_backends.split(",")
         self.transfers = {n: create_transfer(n, self.engine.pool, self.worker_id, args.host) for n in names}
         self._out: dict[str, zmq.Socket] = {}
-        self.registry = None
-        if args.redis_url:
-            from coordinator.registry import RedisRegistry
-
-            self.registry = RedisRegistry(args.redis_url)
         self.stopping = False
-        self._next_heartbeat = 0.0
+        self._next_snapshot = 0.0
         self.role = make_role(args.role, self)
+        self.snapshot = self.info()
+        self._heartbeat = _Heartbeat(self)
         logger.info("worker %s (%s) listening on %s, transfer: %s", self.worker_id, args.role, self.ctrl_addr,
                     ", ".join(self.transfers))
 
@@ -112,19 +110,11 @@ class Worker:
             transfer={n: t.endpoint() for n, t in self.transfers.items()}, load=load, pid=os.getpid(),
             started_at=time.time())
 
-    def heartbeat(self) -> None:
-        info = self.info()
-        if self.registry is not None:
-            try:
-                self.registry.put(info)
-            except Exception as e:  # Redis down: keep serving, try again next beat
-                logger.warning("heartbeat to Redis failed: %s", e)
-        else:
-            self.send(self.args.coordinator_addr, Heartbeat(info))
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self._heartbeat.start()
         poller = zmq.Poller()
         poller.register(self.ctrl, zmq.POLLIN)
         for t in self.transfers.values():
@@ -152,22 +142,65 @@ class Worker:
             self.role.on_step(self.engine.step())
         self.role.tick()
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.args.heartbeat_interval_s
-            self.heartbeat()
+        if now >= self._next_snapshot:
+            self._next_snapshot = now + self.args.heartbeat_interval_s / 2
+            self.snapshot = self.info()
 
     def close(self) -> None:
-        if self.registry is not None:
-            try:
-                self.registry.remove(self.worker_id)
-            except Exception:
-                pass
+        self._heartbeat.stop()
         for t in self.transfers.values():
             t.close()
         for sock in self._out.values():
             sock.close(0)
         self.ctrl.close(0)
         self.ctx.term()
+
+
+class _Heartbeat(threading.Thread):
+    """Sends the worker's latest snapshot every interval, from its own thread and socket, so that a long
+    engine step (a big prefill chunk) never makes a live worker look dead."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(name="heartbeat", daemon=True)
+        self.w = worker
+        self.done = threading.Event()
+        self.registry = None
+        self.sock = None
+        if worker.args.redis_url:
+            from coordinator.registry import RedisRegistry
+
+            self.registry = RedisRegistry(worker.args.redis_url)
+        else:
+            self.sock = worker.ctx.socket(zmq.PUSH)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 4)
+            self.sock.connect(worker.args.coordinator_addr)
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                if self.registry is not None:
+                    self.registry.put(self.w.snapshot)
+                else:
+                    self.sock.send(encode(Heartbeat(self.w.snapshot)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            except Exception as e:  # Redis down: keep serving, try again next beat
+                logger.warning("heartbeat failed: %s", e)
+            self.done.wait(self.w.args.heartbeat_interval_s)
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.is_alive():
+            self.join(timeout=2)
+        if self.registry is not None:
+            try:
+                self.registry.remove(self.w.worker_id)
+            except Exception:
+                pass
+            self.registry.close()
+        if self.sock is not None:
+            self.sock.close(0)
 
 
 def make_role(name: str, worker: Worker):

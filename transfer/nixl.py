@@ -56,7 +56,8 @@ class NixlTransfer(TransferEngine):
         nixl_agent, nixl_agent_config = _nixl_api()
         # Agent names must be unique per process lifetime: a restarted worker is a new agent to its peers.
         self.agent_name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it busy-polls a core; the worker loop drives progress when it polls.
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         data = pool.data
         self.mem = "VRAM" if data.is_cuda else "DRAM"
         self.device_id = data.device.index or 0 if data.is_cuda else 0

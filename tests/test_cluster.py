@@ -1,0 +1,326 @@
+"""The disaggregated service end to end: real processes, real HTTP, the official openai client, real Redis,
+real NIXL (UCX over host memory), the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from cluster import ROOT, Cluster, RedisServer
+
+MODEL = "SmolLM2-135M-Instruct"
+SHARED = ("You are a careful assistant for a railway company. Answer questions about timetables, tickets, "
+          "delays and refunds in one short sentence, politely, and never invent facts. ") * 3
+PROMPTS = [
+    "The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "Once upon a time, in a small village,",
+    "The three primary colors are", "Water boils at", "A haiku about the sea:\n", "Translate to French: cheese ->",
+    "The largest planet in the solar system is", "Q: What is 12 times 12?\nA:", "import numpy as np\n",
+    "Dear customer, we are sorry", "Ünïcödé and emojis 🚀 are", "The recipe needs flour, eggs and",
+    SHARED + "Q: Is the 8:15 train late?", SHARED + "Q: Can I get a refund?", SHARED + "Q: Where is platform 4?",
+    SHARED + "Q: Do children travel free?", "In 1969, astronauts", "The quick brown fox",
+]
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def embedded_converted():
+    # Convert the GGUF once, so the processes below share the cached conversion.
+    from engine.loader import resolve_model_dir
+
+    resolve_model_dir(None)
+
+
+def start(tmp_path_factory, **kw) -> Cluster:
+    c = Cluster(str(tmp_path_factory.mktemp("cluster")), **kw)
+    try:
+        return c.wait_ready()
+    except Exception:
+        c.stop()
+        raise
+
+
+def generate(c: Cluster, prompt: str, params=GREEDY) -> dict:
+    with c.client() as h:
+        r = h.post("/generate", json={"text": prompt, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def run_prompts(c: Cluster, parallel: int = 1) -> list[list[int]]:
+    with ThreadPoolExecutor(parallel) as pool:
+        return [r["output_ids"] for r in pool.map(lambda p: generate(c, p), PROMPTS)]
+
+
+def stream_completion(c: Cluster, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
+    client = openai.OpenAI(base_url=f"{c.url}/v1", api_key=c.api_key or "none")
+    text, usage = "", None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    return text, usage
+
+
+def assert_pools_clean(c: Cluster) -> None:
+    for w in c.wait_clean():
+        ld = w["load"]
+        assert ld["running"] == 0 and ld["waiting"] == 0 and ld["pending_allocations"] == 0, w["worker_id"]
+        assert ld["free_pages"] + ld["cached_pages"] == ld["total_pages"], (w["worker_id"], ld)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, embedded_converted):
+    """Greedy outputs of the colocated worker, the baseline every disaggregated shape must reproduce."""
+    c = start(tmp_path_factory, colocated=1)
+    try:
+        ids = run_prompts(c)
+        texts = [stream_completion(c, p)[0] for p in PROMPTS[:4]]
+        assert_pools_clean(c)
+        yield {"ids": ids, "texts": texts}
+    finally:
+        c.stop()
+
+
+SHAPES = [
+    pytest.param(dict(prefill=1, decode=1, backend="tcp"), "memory", id="1p1d-tcp-embedded"),
+    pytest.param(dict(prefill=1, decode=1, backend="nixl"), "redis", id="1p1d-nixl-redis"),
+]
+
+
+@pytest.mark.parametrize("shape, registry", SHAPES)
+def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape, registry):
+    c = start(tmp_path_factory, redis_url=redis_server.url if registry == "redis" else None, **shape)
+    try:
+        assert run_prompts(c) == reference["ids"]
+        assert [stream_completion(c, p)[0] for p in PROMPTS[:4]] == reference["texts"]
+        # The prefix shared by four prompts was found in the prefill worker's cache.
+        with c.client() as h:
+            metrics = h.get("/metrics").text
+        assert "pdserve_prefix_cache_hit_tokens" in metrics
+        prefill = next(w for w in c.workers() if w["role"] == "prefill")
+        assert prefill["load"]["prefix_hit_tokens"] >= 3 * 64
+        assert prefill["load"]["transfer_count"] >= len(PROMPTS)
+        assert_pools_clean(c)
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("backend, registry", [("nixl", "memory"), ("tcp", "redis")])
+def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, reference, redis_server, backend,
+                                                         registry):
+    c = start(tmp_path_factory, prefill=2, decode=2, backend=backend,
+              redis_url=redis_server.url if registry == "redis" else None)
+    try:
+        # Two at a time: each pair of requests spreads over both prefill and both decode workers.
+        assert run_prompts(c, parallel=2) == reference["ids"]
+        used = {w["worker_id"]: w["load"]["transfer_count"] for w in c.workers() if w["role"] == "prefill"}
+        assert all(n > 0 for n in used.values()), used
+        assert_pools_clean(c)
+
+        # SIGKILL one decode worker while long requests stream on both.
+        def long_stream(i):
+            with c.client() as h, h.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": PROMPTS[i], "max_tokens": 120, "temperature": 0, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
+                worker = r.headers["x-pdserve-worker"]
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+                return worker, events
+
+        decodes = [w for w, role in c.roles.items() if role == "decode"]
+        victim = decodes[0]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(long_stream, i) for i in range(4)]
+            time.sleep(2.5)
+            t_kill = time.time()
+            c.kill(victim)
+            while any(w["worker_id"] == victim for w in c.workers()):
+                time.sleep(0.1)
+            assert time.time() - t_kill < 3.0, "a dead worker must leave the registry within 3 s"
+            results = [f.result(timeout=120) for f in futures]
+        survivors = [ev for w, ev in results if w != victim]
+        assert survivors, "some requests ran on the surviving decode worker"
+        for events in survivors:
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
+        for w, events in results:
+            if w == victim:  # failed cleanly: an error event, then the end of the stream
+                assert events[-1] == "data: [DONE]" and "error" in events[-2]
+        assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
+
+        # The same for a prefill worker.
+        victim = next(w for w, role in c.roles.items() if role == "prefill")
+        t_kill = time.time()
+        c.kill(victim)
+        while any(w["worker_id"] == victim for w in c.workers()):
+            time.sleep(0.1)
+        assert time.time() - t_kill < 3.0
+        assert generate(c, PROMPTS[1])["output_ids"] == reference["ids"][1]
+        assert_pools_clean(c)
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, embedded_converted):
+    c = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", api_key="sk-test")
+    yield c
+    c.stop()
+
+
+def test_64_concurrent_streams_complete_and_are_well_formed(cluster):
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0.8,
+                "seed": i, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [line async for line in r.aiter_lines() if line]
+        assert all(line.startswith("data: ") for line in lines)
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert events[-1]["usage"]["completion_tokens"] == 16
+        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+        return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster.url, headers=cluster.headers, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == 64 and all(texts)
+    assert_pools_clean(cluster)
+
+
+def test_openai_client_chat_and_completion(cluster):
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
+                                          "What is the capital of France?"}], max_tokens=30, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    parts = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
+                                                "What is the capital of France?"}], max_tokens=30, temperature=0,
+                                                stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                     logprobs=2, stop=[" Paris"])
+    choice = comp.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert " Paris" not in choice.text
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    a = client.completions.create(model=MODEL, prompt="Pick a number:", max_tokens=8, temperature=1.0, seed=7)
+    b = client.completions.create(model=MODEL, prompt="Pick a number:", max_tokens=8, temperature=1.0, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -5}}, 400, "sampling_params"),
+    ("/generate", {"sampling_params": {}}, 400, "text"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD)
+def test_bad_input_gets_openai_error_and_service_keeps_serving(cluster, path, body, status, param):
+    with cluster.client() as h:
+        r = h.post(path, content=body) if isinstance(body, bytes) else h.post(path, json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["param"] == param
+        if "word " in str(body)[:20]:
+            assert "maximum context length is 8192" in err["message"]
+        ok = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_api_key_is_required(cluster):
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert httpx.get(f"{cluster.url}/health").status_code == 200
+
+
+def test_client_disconnect_frees_pages_on_both_workers(cluster):
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400,
+                                            "ignore_eos": True, "stream": True}),
+                       ("/v1/completions", {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 400,
+                                            "ignore_eos": True})):
+        with cluster.client(timeout=1.5) as h:
+            try:
+                with h.stream("POST", path, json=body) as r:
+                    for _ in r.iter_lines():
+                        break
+            except httpx.ReadTimeout:
+                pass  # the non-streaming request: we hang up before the answer
+    time.sleep(1.0)
+    assert_pools_clean(cluster)
+
+
+def test_loadgen_reports_against_the_cluster(cluster):
+    out = subprocess.run([sys.executable, "-m", "loadgen", "--url", cluster.url, "--api-key", "sk-test",
+                          "--num-requests", "12", "--concurrency", "4", "--input-len", "32", "--output-len", "8",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["succeeded"] == 12 and report["failed"] == 0
+    assert report["ttft_s_p50"] > 0 and report["output_token_throughput"] > 0
+    human = subprocess.run([sys.executable, "-m", "loadgen", "--url", cluster.url, "--api-key", "sk-test",
+                            "--num-requests", "4", "--request-rate", "20", "--input-len", "16", "--output-len", "4"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert human.returncode == 0 and "TTFT (ms)" in human.stdout and "4/4 ok" in human.stdout
+
+
+def test_no_worker_means_503_with_retry_after(tmp_path_factory, embedded_converted):
+    c = Cluster(str(tmp_path_factory.mktemp("empty")), coordinator_args=["--admission-timeout", "1"])
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{c.url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert httpx.get(f"{c.url}/health/ready").status_code == 503
+        r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["message"]
+    finally:
+        c.stop()
