@@ -31,7 +31,7 @@ class EngineArgs:
     chunked_prefill_size: int | None = None
     # Requests in the running batch at most. Default: 256 on CUDA, 64 on CPU.
     max_running_requests: int | None = None
-    # torch (reference, any device); more backends come with GPU kernels. Default: fastest available.
+    # torch (reference, any device) or triton (GPU; CPU only under TRITON_INTERPRET). Default: fastest available.
     attention_backend: str | None = None
     # "auto" (the model dtype), or a torch dtype name for the KV pool.
     kv_cache_dtype: str = "auto"

@@ -14,6 +14,7 @@ from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model, resolve_model_dir
+from engine.model import CausalLM
 from engine.request import Logprob, Request, Status
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -30,14 +31,20 @@ def _host_memory_bytes() -> int:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs):
+    def __init__(self, args: EngineArgs | None = None, model: CausalLM | None = None, **kwargs):
+        """`model`: an already built model (benchmarks with random weights); it then has no tokenizer, and
+        prompts must be token ids."""
         args = args or EngineArgs(**kwargs)
         self.args = args
         t0 = time.perf_counter()
         self.device = args.torch_device
-        model_dir = resolve_model_dir(args.model_path)
-        self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
-        self.model = load_model(model_dir, args.torch_dtype, self.device)
+        if model is None:
+            model_dir = resolve_model_dir(args.model_path)
+            self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
+            self.model = load_model(model_dir, args.torch_dtype, self.device)
+        else:
+            self.tokenizer = None
+            self.model = model
         self.config: ModelConfig = self.model.config
         self.pool = self._make_pool()
         self.max_model_len = min(args.context_length or self.config.max_position_embeddings,
@@ -50,7 +57,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, create_backend(backend, self.pool, self.config),
                                   self.device)
         eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
         self._rng = random.Random(args.random_seed)
@@ -96,6 +103,8 @@ class Engine:
         else:
             params.validate()
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompt token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -122,7 +131,7 @@ class Engine:
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None
-        if detokenize:
+        if detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                            params.skip_special_tokens)
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed,

@@ -95,9 +95,9 @@ def reference(tmp_path_factory, embedded_converted):
         ids = run_prompts(c)
         texts = [stream_completion(c, p)[0] for p in PROMPTS[:4]]
         assert_pools_clean(c)
-        yield {"ids": ids, "texts": texts}
     finally:
         c.stop()
+    return {"ids": ids, "texts": texts}
 
 
 SHAPES = [
@@ -132,6 +132,8 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
     try:
         # Two at a time: each pair of requests spreads over both prefill and both decode workers.
         assert run_prompts(c, parallel=2) == reference["ids"]
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda p: stream_completion(c, p)[0], PROMPTS[:4])) == reference["texts"]
         used = {w["worker_id"]: w["load"]["transfer_count"] for w in c.workers() if w["role"] == "prefill"}
         assert all(n > 0 for n in used.values()), used
         assert_pools_clean(c)
@@ -265,6 +267,23 @@ def test_bad_input_gets_openai_error_and_service_keeps_serving(cluster, path, bo
             assert "maximum context length is 8192" in err["message"]
         ok = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_malformed_frames_do_not_stop_any_process(cluster):
+    import zmq
+
+    ctx = zmq.Context.instance()
+    targets = [f"tcp://127.0.0.1:{cluster.zmq_port}"] + [w["ctrl_addr"] for w in cluster.workers()]
+    for addr in targets:
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.connect(addr)
+        for junk in (b"", b"\xff\x00garbage", b"\x81\xa4type\xa5Abort", b"\x82\xa4type\xa8Allocate\xa3rid\x01"):
+            s.send(junk)
+        s.close()
+    time.sleep(0.5)
+    assert all(p.poll() is None for p in cluster.procs.values())
+    assert generate(cluster, PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})["output_ids"]
 
 
 def test_api_key_is_required(cluster):

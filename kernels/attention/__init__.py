@@ -8,6 +8,7 @@ from kernels.attention.base import AttentionBackend, AttentionInputs
 
 _BACKENDS = {
     "torch": "kernels.attention.torch_backend:TorchBackend",
+    "triton": "kernels.attention.triton_backend:TritonBackend",
 }
 
 
@@ -16,7 +17,16 @@ def backend_names() -> list[str]:
 
 
 def default_backend(device) -> str:
-    """The fastest backend that can run on `device`."""
+    """The fastest backend that can run on `device`: Triton on a GPU when it is installed, else torch."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            pass
     return "torch"
 
 

@@ -1,0 +1,248 @@
+"""GPU benchmark suite: one command, one table of figures against ceilings measured in the same run.
+
+    python -m bench.gpu                 # on a GPU: the whole suite (about five minutes on an H200)
+    python -m bench.gpu --smoke         # tiny shapes, any device: checks that the suite runs
+
+Models are random-weight builds of real shapes (bench/configs/). Ceilings: device copy bandwidth (bytes read
++ written per second) and the bf16 matmul rate, both measured here first. Each row prints the figure, its
+ceiling or peer, the ratio and the target; rows whose feature does not exist yet say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from engine.args import EngineArgs
+from engine.config import ModelConfig
+from engine.engine import Engine
+from engine.model import CausalLM
+from engine.sampling_params import SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMOKE_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+                "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 16384}
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, iters: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over iters runs (synchronised)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ceilings(device, smoke: bool) -> dict:
+    n = (1 << 20) if smoke else (1 << 30)  # bf16 elements: 2 GiB on the GPU
+    x = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    y = torch.empty_like(x)
+    t = timed(lambda: y.copy_(x), 5 if smoke else 20)
+    m = 256 if smoke else 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    tm = timed(lambda: a @ b, 5 if smoke else 20)
+    return {"copy_bw": 2 * x.numel() * 2 / t, "matmul": 2 * m ** 3 / tm}
+
+
+def build(cfg: dict, device, dtype) -> CausalLM:
+    config = ModelConfig.from_hf_dict(cfg)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0, 0.02, generator=gen)
+    model.rotary.build()
+    return model.eval()
+
+
+def engine_for(model, backend: str, tokens: int, device, dtype, chunk=8192) -> Engine:
+    args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
+                      max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
+                      disable_radix_cache=True)
+    return Engine(args, model=model)
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes read per decode step: every weight once, except the embedding table (one row per token),
+    which is read whole only when it doubles as the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def kv_bytes(model: CausalLM, tokens: int, dtype) -> int:
+    c = model.config
+    return tokens * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int) -> float:
+    """Seconds per decode step with `batch` requests at about `ctx` tokens of context."""
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
+    while any(r.num_output == 0 for r in reqs):  # prefill all
+        engine.step()
+    t = timed(engine.step, steps, warmup=2)
+    for r in reqs:
+        engine.abort(r.rid)
+    return t
+
+
+def record_logits(engine: Engine) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    inner = engine.runner.sample
+
+    def sample(logits, reqs):
+        seen.append(logits.float().clone())
+        return inner(logits, reqs)
+
+    engine.runner.sample = sample
+    return seen
+
+
+def correctness(model, backends, device, dtype) -> dict:
+    """Each backend's logits against torch's on the same mixed batch: decodes plus new prefill chunks."""
+    vocab = model.config.vocab_size
+    runs = {}
+    for name in ["torch"] + backends:
+        e = engine_for(model, name, 16384, device, dtype, chunk=1024)
+        seen = record_logits(e)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i in range(4):
+            e.add_request(random_prompt(200 + 50 * i, vocab, i), params)
+        e.step()  # prefill of the first four
+        for i in range(4, 7):  # new prompts join running decodes: mixed batches
+            e.add_request(random_prompt(300 + 70 * i, vocab, i), params)
+        while e.has_work():
+            e.step()
+        runs[name] = seen
+        e.check()
+        del e
+    out = {}
+    for name in backends:
+        errs = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(runs[name][:3], runs["torch"][:3])]
+        out[name] = max(errs)
+    return out
+
+
+def prefill_time(engine: Engine, n: int) -> float:
+    vocab = engine.config.vocab_size
+
+    def once():
+        r = engine.add_request(random_prompt(n, vocab, 99), SamplingParams(temperature=0, max_tokens=1))
+        while engine.has_work():
+            engine.step()
+        assert r.finish_reason == "length"
+
+    return timed(once, 3, warmup=1)
+
+
+def prefill_flops(model: CausalLM, n: int) -> float:
+    c = model.config
+    dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if c.tie_word_embeddings:
+        dense += model.embed_tokens.weight.numel()
+    # Causal attention: QK^T and PV each 2 * n^2 / 2 * heads * head_dim multiply-adds' worth of FLOPs.
+    attn = 2 * c.num_hidden_layers * n * n * c.num_attention_heads * c.head_dim
+    return 2 * dense * n + attn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = ["triton"] if device.type == "cuda" else []
+    fast = backends[0] if backends else "torch"
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, backends {['torch'] + backends}", flush=True)
+    ceil = ceilings(device, args.smoke)
+    print(f"ceilings: copy {ceil['copy_bw'] / 1e9:.0f} GB/s, bf16 matmul {ceil['matmul'] / 1e12:.0f} TFLOP/s", flush=True)
+    rows = [("device copy bandwidth (GB/s)", ceil["copy_bw"] / 1e9, None, None, "ceiling"),
+            ("bf16 matmul (TFLOP/s)", ceil["matmul"] / 1e12, None, None, "ceiling")]
+
+    def load(path):
+        if args.smoke:
+            return dict(SMOKE_CONFIG)
+        with open(os.path.join(HERE, "configs", path)) as f:
+            return json.load(f)
+
+    bn, sn = ("smoke", "smoke") if args.smoke else ("8B", "0.5B")
+    big = build(load("llama-3.1-8b.json"), device, dtype)
+    ctx1, ctx2, batch, steps = (64, 128, 4, 5) if args.smoke else (1024, 2048, 64, 30)
+    for b, err in correctness(big, backends, device, dtype).items():
+        rows.append((f"{bn} logits, {b} vs torch, mixed batch (max rel err)", err, 2e-2, None, "< 2e-2"))
+        print(rows[-1], flush=True)
+
+    e = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype)
+    t1 = decode_step_time(e, 1, ctx1, steps)
+    need = (weight_bytes(big) + kv_bytes(big, ctx1, dtype)) / ceil["copy_bw"]
+    rows.append((f"{bn} batch-1 decode, {ctx1} ctx: step ms (roofline ms)", t1 * 1e3, need * 1e3, need / t1, ">= 0.85"))
+    print(rows[-1], flush=True)
+    t64 = decode_step_time(e, batch, ctx2, steps)
+    need = (weight_bytes(big) + batch * kv_bytes(big, ctx2, dtype)) / ceil["copy_bw"]
+    rows.append((f"{bn} batch-{batch} decode, {ctx2} ctx: step ms (roofline ms)", t64 * 1e3, need * 1e3, need / t64,
+                 ">= 0.75"))
+    print(rows[-1], flush=True)
+    n_prefill = 256 if args.smoke else 8192
+    tp = prefill_time(e, n_prefill)
+    flops = prefill_flops(big, n_prefill)
+    rows.append((f"{bn} prefill {n_prefill} tokens: TFLOP/s (matmul TFLOP/s)", flops / tp / 1e12, ceil["matmul"] / 1e12,
+                 flops / tp / ceil["matmul"], ">= 0.60"))
+    print(rows[-1], flush=True)
+    del e, big
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    small = build(load("qwen2.5-0.5b.json"), device, dtype)
+    e = engine_for(small, fast, 8192, device, dtype)
+    t1 = decode_step_time(e, 1, ctx1, steps)
+    need = (weight_bytes(small) + kv_bytes(small, ctx1, dtype)) / ceil["copy_bw"]
+    rows.append((f"{sn} batch-1 decode, {ctx1} ctx: step ms (roofline ms)", t1 * 1e3, need * 1e3, need / t1, ">= 0.60"))
+    print(rows[-1], flush=True)
+    for missing in ("attention vs flashinfer (batch-64, 2k ctx)", "cuda_ipc transfer of 4096 tokens vs copy",
+                    "TTFT 1P1D vs colocated (4096 tokens)", "FP8 KV capacity and error", "FP8 weights decode speed-up"):
+        rows.append((missing, None, None, None, "not built yet"))
+
+    print()
+    print("| figure | value | ceiling / peer | ratio | target |")
+    print("|---|---|---|---|---|")
+    for label, value, ref, ratio, target in rows:
+        fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
+        print(f"| {label} | {fmt(value)} | {fmt(ref)} | {fmt(ratio)} | {target} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
+
+
+if __name__ == "__main__":
+    main()

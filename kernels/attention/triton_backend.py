@@ -1,0 +1,209 @@
+"""Paged attention in Triton: a split-KV decode kernel and a prefill kernel over a cached prefix.
+
+Both read K/V straight from the pool through the page table, so nothing is gathered or padded in memory.
+
+Decode, for request b and KV head h (GQA: the G query heads sharing h are one tile, so K/V is read once per
+group), split s of the KV range:   scores = q[G, D] . K[t, D] for t in the split, online softmax, partial
+output and log-sum-exp; a second kernel merges the splits. Splits give long contexts enough parallelism.
+
+Prefill, for request b, query head h, a block of BLOCK_M new tokens at positions prefix+i: flash attention
+over KV positions 0 .. min(prefix+i, seq_len-1), sliding window honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.base import AttentionBackend, AttentionInputs, AttentionStep
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KV, indptr, indices, seq_lens, O_part, LSE_part,
+    stride_qb, stride_qh,
+    stride_kp, stride_kkv, stride_ks, stride_kh,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    scale, window, chunk,
+    PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
+    start = tl.maximum(start, lo)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    page_base = tl.load(indptr + b)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+        kmask = valid[:, None] & (d[None, :] < D)
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    has = end > start
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    omask = (g[:, None] < G) & (d[None, :] < D)
+    tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out, mask=omask)
+    tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
+
+
+@triton.jit
+def _decode_merge_kernel(O_part, LSE_part, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         stride_b, stride_h, S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + s, mask=s < S, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.load(O_part + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=(s[:, None] < S) & (d[None, :] < D), other=0.0)
+    out = tl.sum(o * w[:, None], axis=0)
+    tl.store(Out + b * stride_b + h * stride_h + d, out.to(Out.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KV, Out, qo_indptr, indptr, indices, seq_lens, prefix_lens,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kkv, stride_ks, stride_kh,
+    scale, window,
+    PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_start = tl.load(qo_indptr + b)
+    n_q = tl.load(qo_indptr + b + 1) - q_start
+    if mblk * BLOCK_M >= n_q:
+        return
+    prefix = tl.load(prefix_lens + b)
+    seq_len = tl.load(seq_lens + b)
+    kvh = h // G
+    i = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    qmask = (i[:, None] < n_q) & (d[None, :] < D)
+    q = tl.load(Q + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q_pos = prefix + i
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    page_base = tl.load(indptr + b)
+    hi = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < seq_len
+        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+        kmask = valid[:, None] & (d[None, :] < D)
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        allowed = valid[None, :] & (t[None, :] <= q_pos[:, None])
+        if window > 0:
+            allowed = allowed & ((q_pos[:, None] - t[None, :]) < window)
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=qmask)
+
+
+class TritonBackend(AttentionBackend):
+    def plan(self, inputs: AttentionInputs) -> AttentionStep:
+        return _TritonStep(self, inputs)
+
+
+class _TritonStep(AttentionStep):
+    def __init__(self, backend: TritonBackend, x: AttentionInputs):
+        self.pool = backend.pool
+        self.x = x
+        c = backend.config
+        self.scale = c.head_dim ** -0.5
+        self.window = c.sliding_window or 0
+        self.group = c.num_attention_heads // c.num_key_value_heads
+        self.write_rows = self.pool.kv_rows(x.out_pages, x.out_offsets)
+        # Enough splits that B * kv_heads * splits fills the GPU; each split at least 256 tokens.
+        self.chunk = max(256, triton.cdiv(x.max_seq_len, 16))
+        self.splits = triton.cdiv(x.max_seq_len, self.chunk)
+
+    def forward(self, q, k, v, layer_id):
+        x = self.x
+        self.pool.write(layer_id, self.write_rows, k, v)
+        kv = self.pool.layer(layer_id)  # [P, 2, page, Hkv, D]
+        heads, dim = q.shape[1], q.shape[2]
+        block_d = triton.next_power_of_2(dim)
+        # float32 pools keep float32 products (no tf32); bf16/fp16 use the tensor cores as they are.
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        out = torch.empty_like(q)
+        if x.is_decode:
+            bsz = x.batch_size
+            o_part = torch.empty(bsz, heads, self.splits, dim, dtype=torch.float32, device=q.device)
+            lse = torch.empty(bsz, heads, self.splits, dtype=torch.float32, device=q.device)
+            _decode_split_kernel[(bsz, heads // self.group, self.splits)](
+                q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse,
+                q.stride(0), q.stride(1),
+                kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+                o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                lse.stride(0), lse.stride(1),
+                self.scale, self.window, self.chunk,
+                PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
+                D=dim, BLOCK_D=block_d, BLOCK_N=32, PRECISION=precision, num_warps=4,
+            )
+            _decode_merge_kernel[(bsz, heads)](
+                o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
+                lse.stride(1), out.stride(0), out.stride(1), S=self.splits,
+                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d,
+            )
+            return out
+        block_m = 128
+        _prefill_kernel[(x.batch_size, heads, triton.cdiv(x.max_extend_len, block_m))](
+            q, kv, out, x.qo_indptr, x.kv_indptr, x.kv_indices, x.seq_lens, x.prefix_lens,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            self.scale, self.window,
+            PAGE=self.pool.page_size, G=self.group, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=64,
+            PRECISION=precision, num_warps=8,
+        )
+        return out

@@ -1,0 +1,93 @@
+"""Transfer engines move pages bit-exactly, refuse what does not fit, and honour forget()."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from engine.protocol import Abort, KVReady, decode, encode
+from kvstore import KVPool
+from transfer import agree, available_backends, create_transfer
+
+BACKENDS = ["tcp", "nixl"]
+
+
+def pools(dtype=torch.float32):
+    a = KVPool(40, 16, 3, 2, 32, dtype, "cpu")
+    b = KVPool(64, 16, 3, 2, 32, dtype, "cpu")
+    a.data.copy_(torch.randn(a.data.shape).to(dtype))
+    return a, b
+
+
+def wait_received(rx, sender, timeout=5.0):
+    deadline = time.time() + timeout
+    got, sent = [], []
+    while time.time() < deadline and not got:
+        sent += sender.poll_sent()
+        got = rx.poll_received()
+        time.sleep(0.002)
+    return got, sent + sender.poll_sent()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_arrive_bit_exact_with_their_notification(name, dtype):
+    assert name in available_backends()
+    a, b = pools(dtype)
+    tx = create_transfer(name, a, "p", "127.0.0.1")
+    rx = create_transfer(name, b, "d", "127.0.0.1")
+    src, dst = [5, 1, 33, 12, 7], [60, 3, 4, 41, 9]
+    before = b.data.clone()
+    rx.expect("r1", dst)
+    tx.send("r1", "d", rx.endpoint(), src, dst, encode(KVReady("r1", 42, -0.5)))
+    got, sent = wait_received(rx, tx)
+    assert [r for r, _ in got] == ["r1"]
+    assert decode(got[0][1]) == KVReady("r1", 42, -0.5)
+    assert sent and sent[0].ok and sent[0].nbytes == len(src) * a.page_bytes
+    for s, d in zip(src, dst):
+        assert torch.equal(b.data[:, d].view(torch.uint8), a.data[:, s].view(torch.uint8))
+    untouched = [p for p in range(b.num_pages) if p not in dst]
+    assert torch.equal(b.data[:, untouched], before[:, untouched])
+    assert tx.stats.count == 1 and tx.stats.bytes == len(src) * a.page_bytes
+    tx.close()
+    rx.close()
+
+
+def test_tcp_drops_data_for_forgotten_or_mismatched_requests():
+    a, b = pools()
+    tx = create_transfer("tcp", a, "p", "127.0.0.1")
+    rx = create_transfer("tcp", b, "d", "127.0.0.1")
+    before = b.data.clone()
+    rx.expect("gone", [1, 2])
+    rx.forget("gone")  # aborted: its pages may already belong to someone else
+    tx.send("gone", "d", rx.endpoint(), [3, 4], [1, 2], encode(KVReady("gone", 1)))
+    rx.expect("other", [5, 6])
+    tx.send("other", "d", rx.endpoint(), [3, 4], [7, 8], encode(KVReady("other", 1)))  # wrong pages
+    got, _ = wait_received(rx, tx, timeout=1.0)
+    assert got == []
+    assert torch.equal(b.data, before)
+
+
+def test_malformed_frames_are_dropped_not_fatal():
+    a, b = pools()
+    rx = create_transfer("tcp", b, "d", "127.0.0.1")
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.connect(rx.endpoint().decode())
+    s.send_multipart([b"\x93garbage", b"xx"])
+    s.send(b"single frame")
+    time.sleep(0.2)
+    assert rx.poll_received() == []
+    assert decode(b"\xc1\xff not msgpack") is None
+    assert decode(encode(Abort("x"))) == Abort("x")
+    s.close(0)
+
+
+def test_backend_agreement():
+    assert agree(["tcp", "nixl"], ["tcp", "nixl"]) == "nixl"
+    assert agree(["tcp"], ["tcp", "nixl"]) == "tcp"
+    assert agree(["tcp", "nixl"], ["tcp", "nixl"], "tcp") == "tcp"
+    assert agree(["tcp"], ["nixl"]) is None
