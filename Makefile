@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 # A machine with an NVIDIA driver gets the CUDA torch from PyPI; every other machine the CPU build.
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: run test install install-test bench-cpu lint clean
+.PHONY: run test install install-test bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,7 @@ run: install
 	$(VENV)/bin/pdserve up --host $(HOST) --port $(PORT)
 
 test: install-test
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 bench-cpu: install-test

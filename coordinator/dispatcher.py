@@ -21,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from coordinator.registry import MemoryRegistry, Registry
+from engine.outbox import Outbox
 from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, Prefill, Rejected, TokenBatch,
-                             TokenDelta, WorkerInfo, decode, encode)
+                             TokenDelta, WorkerInfo, decode)
 from transfer import agree
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,9 @@ class Dispatcher:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(f"tcp://{host}:{port or '*'}")
         self.addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._push: dict[str, zmq.asyncio.Socket] = {}
+        # Sends never block, so plain sockets serve the event loop; only receiving needs asyncio.
+        self._sync_ctx = zmq.Context()
+        self.outbox = Outbox(self._sync_ctx)
         self.requests: dict[str, Tracked] = {}
         self._replies: dict[str, asyncio.Future] = {}
         self._prefill_inflight: dict[str, int] = {}  # worker -> prompt tokens sent, first token not back
@@ -109,23 +112,13 @@ class Dispatcher:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for s in self._push.values():
-            s.close(0)
+        self.outbox.close()
+        self._sync_ctx.term()
         self.pull.close(0)
         self.ctx.term()
 
     def _send(self, addr: str, msg) -> None:
-        sock = self._push.get(addr)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(addr)
-            self._push[addr] = sock
-        try:
-            sock.send(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("dropped a %s to %s: its queue is full", type(msg).__name__, addr)
+        self.outbox.send(addr, msg)
 
     # --- incoming -------------------------------------------------------------------------------------------
     async def _receive(self) -> None:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.request import Logprob, Request
-from engine.sampling_params import SamplingParams
 
 
 @dataclass

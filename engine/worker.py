@@ -20,6 +20,7 @@ import zmq
 
 from engine.args import EngineArgs
 from engine.engine import Engine
+from engine.outbox import Outbox
 from engine.protocol import Heartbeat, KVLayout, WorkerInfo, WorkerLoad, decode, encode
 from transfer import available_backends, create_transfer
 
@@ -65,7 +66,7 @@ class Worker:
         self.ctrl_addr = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         names = available_backends() if args.transfer_backends == "auto" else args.transfer_backends.split(",")
         self.transfers = {n: create_transfer(n, self.engine.pool, self.worker_id, args.host) for n in names}
-        self._out: dict[str, zmq.Socket] = {}
+        self.outbox = Outbox(self.ctx)
         self.stopping = False
         self._next_snapshot = 0.0
         self.role = make_role(args.role, self)
@@ -76,19 +77,7 @@ class Worker:
 
     # --- messaging ------------------------------------------------------------------------------------------
     def send(self, addr: str, msg) -> bool:
-        sock = self._out.get(addr)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(addr)
-            self._out[addr] = sock
-        try:
-            sock.send(encode(msg), flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            logger.warning("dropped a %s to %s: its queue is full", type(msg).__name__, addr)
-            return False
+        return self.outbox.send(addr, msg)
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -150,8 +139,7 @@ class Worker:
         self._heartbeat.stop()
         for t in self.transfers.values():
             t.close()
-        for sock in self._out.values():
-            sock.close(0)
+        self.outbox.close()
         self.ctrl.close(0)
         self.ctx.term()
 
