@@ -8,6 +8,7 @@ Host memory on a CPU machine, device memory on a GPU. Writes are one-sided: see 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import msgspec
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def _nixl_api():
+    # NIXL logs every agent's start at INFO on stdout; keep stdout for our own output unless asked.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError:

@@ -1,0 +1,75 @@
+"""`pdserve up`: one ready line, and the whole cluster goes down on Ctrl-C or when any child dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from cluster import ROOT, free_port
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def start_up(*extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--port", str(port), *extra,
+                          "--max-total-tokens", "2048"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
+    lines = []
+    for line in p.stdout:  # until the ready line (or the end of output, if it never comes)
+        lines.append(line)
+        if line.startswith("pdserve ready"):
+            break
+    assert lines and lines[-1].startswith(f"pdserve ready at http://127.0.0.1:{port}"), lines
+    return p, f"http://127.0.0.1:{port}"
+
+
+def wait_gone(pids, timeout=20) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(alive(c) for c in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_ready_line_then_ctrl_c_stops_everything():
+    p, url = start_up("--prefill", "1", "--decode", "1")
+    try:
+        kids = children(p.pid)
+        assert len(kids) == 3  # coordinator, prefill, decode
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+        assert wait_gone(kids)
+    finally:
+        p.kill()
+
+
+def test_a_dying_child_takes_the_cluster_down():
+    p, _ = start_up("--colocated", "1")
+    try:
+        kids = children(p.pid)
+        os.kill(kids[-1], signal.SIGKILL)  # the worker
+        assert p.wait(timeout=30) == 1
+        assert wait_gone(kids)
+    finally:
+        p.kill()
