@@ -111,10 +111,22 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
     try:
         assert run_prompts(c) == reference["ids"]
         assert [stream_completion(c, p)[0] for p in PROMPTS[:4]] == reference["texts"]
-        # The prefix shared by four prompts was found in the prefill worker's cache.
+        # Metrics parse as Prometheus text, with a sample per request and per-worker figures.
+        from prometheus_client.parser import text_string_to_metric_families
+
         with c.client() as h:
-            metrics = h.get("/metrics").text
-        assert "pdserve_prefix_cache_hit_tokens" in metrics
+            families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
+        ttft_count = next(s.value for s in families["pdserve_time_to_first_token_seconds"].samples
+                          if s.name.endswith("_count"))
+        assert ttft_count >= len(PROMPTS)
+        for name in ("pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds",
+                     "pdserve_requests", "pdserve_prompt_tokens", "pdserve_generation_tokens",
+                     "pdserve_queue_depth", "pdserve_running_requests", "pdserve_kv_pool_usage_ratio",
+                     "pdserve_prefix_cache_hit_tokens", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_failures"):
+            assert name in families, name
+        sent = [s for s in families["pdserve_kv_transfer_bytes"].samples if s.labels["role"] == "prefill"]
+        assert sent and sent[0].value > 0
+        # The prefix shared by four prompts was found in the prefill worker's cache.
         prefill = next(w for w in c.workers() if w["role"] == "prefill")
         assert prefill["load"]["prefix_hit_tokens"] >= 3 * 64
         assert prefill["load"]["transfer_count"] >= len(PROMPTS)
