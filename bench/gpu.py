@@ -76,10 +76,11 @@ def build(cfg: dict, device, dtype) -> CausalLM:
     return model.eval()
 
 
-def engine_for(model, backend: str, tokens: int, device, dtype, chunk=8192) -> Engine:
+def engine_for(model, backend: str, tokens: int, device, dtype, chunk=8192, graphs=True) -> Engine:
     args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                       max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
-                      disable_radix_cache=True)
+                      disable_radix_cache=True, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
+                      cuda_graph_max_context=4096)
     return Engine(args, model=model)
 
 
@@ -203,6 +204,14 @@ def main() -> None:
         rows.append((f"{bn} logits, {b} vs torch, mixed batch (max rel err)", err, 2e-2, None, "< 2e-2"))
         print(rows[-1], flush=True)
 
+    if device.type == "cuda":
+        eager = engine_for(big, fast, 8192, device, dtype, graphs=False)
+        te = decode_step_time(eager, 1, ctx1, steps)
+        need = (weight_bytes(big) + kv_bytes(big, ctx1, dtype)) / ceil["copy_bw"]
+        rows.append((f"{bn} batch-1 decode, {ctx1} ctx, no CUDA graph: step ms (roofline ms)", te * 1e3, need * 1e3,
+                     need / te, "(for comparison)"))
+        print(rows[-1], flush=True)
+        del eager
     e = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype)
     t1 = decode_step_time(e, 1, ctx1, steps)
     need = (weight_bytes(big) + kv_bytes(big, ctx1, dtype)) / ceil["copy_bw"]

@@ -39,6 +39,10 @@ class EngineArgs:
     disable_radix_cache: bool = False
     # Seed for requests that bring none.
     random_seed: int | None = None
+    # CUDA graphs for decode steps (GPU, triton backend): off switch, largest batch, longest context.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
+    cuda_graph_max_context: int = 8192
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -112,6 +116,9 @@ class EngineArgs:
         p.add_argument("--kv-cache-dtype", default="auto")
         p.add_argument("--disable-radix-cache", action="store_true")
         p.add_argument("--random-seed", type=int, default=None)
+        p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--cuda-graph-max-bs", type=int, default=160)
+        p.add_argument("--cuda-graph-max-context", type=int, default=8192)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -54,8 +54,15 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.page_size, args.prefill_budget, args.running_limit), self.allocator, self.cache)
         backend = args.attention_backend or default_backend(self.device)
-        self.runner = ModelRunner(self.model, self.pool, create_backend(backend, self.pool, self.config),
-                                  self.device)
+        attn = create_backend(backend, self.pool, self.config)
+        graphs = None
+        if args.on_cuda and backend == "triton" and not args.disable_cuda_graph:
+            from engine.graph import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, self.pool, attn, min(args.cuda_graph_max_bs, args.running_limit),
+                                  min(args.cuda_graph_max_context, self.max_model_len))
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.pool, attn, self.device, graphs)
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -12,12 +12,13 @@ from kernels.attention import AttentionInputs
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool, backend, device: torch.device):
+    def __init__(self, model: CausalLM, pool, backend, device: torch.device, graphs=None):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = device
         self.vocab = model.config.vocab_size
+        self.graphs = graphs  # DecodeGraphs, or None for eager only
 
     def prepare(self, chunks: list[Chunk]):
         ps = self.pool.page_size
@@ -68,6 +69,8 @@ class ModelRunner:
     def forward(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
         input_ids, positions, attn, logit_rows = self.prepare(chunks)
+        if self.graphs is not None and attn.is_decode and self.graphs.can_run(len(chunks), attn.max_seq_len):
+            return self.graphs.run(input_ids, positions, attn)
         step = self.backend.plan(attn)
         hidden = self.model(input_ids, positions, step)
         if logit_rows.numel() == 0:
