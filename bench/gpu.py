@@ -11,6 +11,7 @@ ceiling or peer, the ratio and the target; rows whose feature does not exist yet
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -116,6 +117,29 @@ def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int) -> float:
     return t
 
 
+def step_phases(engine: Engine, batch: int, ctx: int, steps: int) -> dict:
+    """Where a decode step's time goes: host phases, and the forward alone (graph replay or eager)."""
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps * 4 + 8, ignore_eos=True)
+    reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
+    while any(r.num_output == 0 for r in reqs):
+        engine.step()
+    sched = engine.scheduler
+    r = engine.runner
+    out = {}
+    for _ in range(2):
+        engine.step()
+    chunks = sched.schedule()
+    out["prepare_ms"] = timed(lambda: r.prepare(chunks), steps) * 1e3
+    out["forward_ms"] = timed(lambda: r.forward(chunks), steps) * 1e3
+    logits = r.forward(chunks)
+    out["sample_ms"] = timed(lambda: r.sample(logits, [c.req for c in chunks]).tokens.tolist(), steps) * 1e3
+    out["step_ms"] = timed(engine.step, steps) * 1e3
+    for q in reqs:
+        engine.abort(q.rid)
+    return out
+
+
 def record_logits(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     inner = engine.runner.sample
@@ -132,8 +156,13 @@ def correctness(model, backends, device, dtype) -> dict:
     """Each backend's logits against torch's on the same mixed batch: decodes plus new prefill chunks."""
     vocab = model.config.vocab_size
     runs = {}
-    for name in ["torch"] + backends:
-        e = engine_for(model, name, 16384, device, dtype, chunk=1024)
+    names = ["torch"] + backends + [b + "-eager" for b in backends]
+    if device.type == "cuda":
+        names.append("torch-fp32")  # the yardstick for both bf16 backends
+    for name in names:
+        m = copy.deepcopy(model).float() if name == "torch-fp32" else model
+        e = engine_for(m, name.split("-")[0], 16384, device, torch.float32 if name == "torch-fp32" else dtype,
+                       chunk=1024, graphs=not name.endswith("-eager"))
         seen = record_logits(e)
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for i in range(4):
@@ -145,11 +174,17 @@ def correctness(model, backends, device, dtype) -> dict:
             e.step()
         runs[name] = seen
         e.check()
-        del e
+        del e, m
     out = {}
-    for name in backends:
-        errs = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(runs[name][:3], runs["torch"][:3])]
-        out[name] = max(errs)
+    for name in runs:
+        for ref in ("torch", "torch-fp32"):
+            if name == ref or ref not in runs or name == "torch-fp32":
+                continue
+            errs = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(runs[name][:3], runs[ref][:3])]
+            print(f"  {name} vs {ref}, per step (prefill, mixed, decode): {[f'{x:.2e}' for x in errs]}",
+                  flush=True)
+            if ref == "torch":
+                out[name] = max(errs)
     return out
 
 
@@ -213,6 +248,8 @@ def main() -> None:
         print(rows[-1], flush=True)
         del eager
     e = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype)
+    if device.type == "cuda":
+        print(f"  8B batch-1 step phases: {step_phases(e, 1, ctx1, steps)}", flush=True)
     t1 = decode_step_time(e, 1, ctx1, steps)
     need = (weight_bytes(big) + kv_bytes(big, ctx1, dtype)) / ceil["copy_bw"]
     rows.append((f"{bn} batch-1 decode, {ctx1} ctx: step ms (roofline ms)", t1 * 1e3, need * 1e3, need / t1, ">= 0.85"))
@@ -234,6 +271,8 @@ def main() -> None:
 
     small = build(load("qwen2.5-0.5b.json"), device, dtype)
     e = engine_for(small, fast, 8192, device, dtype)
+    if device.type == "cuda":
+        print(f"  0.5B batch-1 step phases: {step_phases(e, 1, ctx1, steps)}", flush=True)
     t1 = decode_step_time(e, 1, ctx1, steps)
     need = (weight_bytes(small) + kv_bytes(small, ctx1, dtype)) / ceil["copy_bw"]
     rows.append((f"{sn} batch-1 decode, {ctx1} ctx: step ms (roofline ms)", t1 * 1e3, need * 1e3, need / t1, ">= 0.60"))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -26,12 +27,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype; the reference does the same.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual): one fused kernel on the GPU."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -121,8 +121,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -133,9 +132,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos_sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, attn):
+        # The residual stream is carried beside the layer output, so each add fuses into the next norm.
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos_sin, attn)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -155,9 +157,10 @@ class CausalLM(nn.Module):
         """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, attn)
+        return self.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -43,27 +43,30 @@ class ModelRunner:
             if c.samples:
                 logit_rows.append(qo[-1] - 1)
         pos = np.concatenate(positions)
-        dev = self.device
-
-        def i32(x):
-            return torch.from_numpy(np.asarray(x, dtype=np.int32)).to(dev, non_blocking=True)
-
-        def i64(x):
-            return torch.from_numpy(np.asarray(x, dtype=np.int64)).to(dev, non_blocking=True)
-
+        n, bsz, npages = len(ids), len(chunks), kv_ptr[-1]
+        # Two host-to-device copies per step (one per dtype) instead of one per array.
+        longs = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64), pos, np.concatenate(out_pages),
+                                                 pos % ps, np.asarray(logit_rows, dtype=np.int64)]))
+        ints = torch.from_numpy(np.concatenate([np.asarray(qo, dtype=np.int32), np.asarray(kv_ptr, dtype=np.int32),
+                                                np.concatenate(kv_idx).astype(np.int32),
+                                                np.asarray(last_len + seq_lens + prefix_lens, dtype=np.int32)]))
+        longs = longs.to(self.device, non_blocking=True)
+        ints = ints.to(self.device, non_blocking=True)
+        lo = np.cumsum([0, n, n, n, n, len(logit_rows)])
+        io = np.cumsum([0, bsz + 1, bsz + 1, npages, bsz, bsz, bsz])
         attn = AttentionInputs(
-            qo_indptr=i32(qo),
-            kv_indptr=i32(kv_ptr),
-            kv_indices=i32(np.concatenate(kv_idx)),
-            kv_last_page_len=i32(last_len),
-            seq_lens=i32(seq_lens),
-            prefix_lens=i32(prefix_lens),
-            out_pages=i64(np.concatenate(out_pages)),
-            out_offsets=i64(pos % ps),
+            qo_indptr=ints[io[0]:io[1]],
+            kv_indptr=ints[io[1]:io[2]],
+            kv_indices=ints[io[2]:io[3]],
+            kv_last_page_len=ints[io[3]:io[4]],
+            seq_lens=ints[io[4]:io[5]],
+            prefix_lens=ints[io[5]:io[6]],
+            out_pages=longs[lo[2]:lo[3]],
+            out_offsets=longs[lo[3]:lo[4]],
             max_seq_len=max(seq_lens),
             max_extend_len=max(c.length for c in chunks),
         )
-        return i64(ids), i64(pos), attn, i64(logit_rows)
+        return longs[lo[0]:lo[1]], longs[lo[1]:lo[2]], attn, longs[lo[4]:lo[5]]
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor | None:
@@ -79,4 +82,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampleOutput:
+        if all(r.params.temperature == 0 and not r.params.has_penalties and r.params.logprobs is None
+               and len(r.output_ids) >= r.params.min_tokens for r in reqs):
+            # Plain greedy batch: no parameters to move to the device.
+            return SampleOutput(tokens=logits.argmax(dim=-1))
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

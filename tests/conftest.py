@@ -8,6 +8,11 @@ import os
 import pytest
 import torch
 
+# Triton kernels run in its interpreter on a CPU machine. It must be on before any kernel is defined,
+# i.e. before the first pdserve import, so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 VOCAB = 512
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -1,20 +1,16 @@
-"""The Triton attention kernels agree with the torch reference backend (run by the Triton interpreter on a
-CPU; the same kernels compile for the GPU)."""
+"""The Triton kernels agree with the torch reference (run by the Triton interpreter on a CPU, see
+conftest.py; the same kernels compile for the GPU)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from engine.config import ModelConfig
+from kernels.attention import AttentionInputs, create_backend
+from kvstore import KVPool
 
 pytest.importorskip("triton")
-
-from engine.config import ModelConfig  # noqa: E402
-from kernels.attention import AttentionInputs, create_backend  # noqa: E402
-from kvstore import KVPool  # noqa: E402
 
 PAGE = 16
 
@@ -89,3 +85,20 @@ def test_half_precision_within_tolerance():
     for prefix, extend in (([100, 20], [1, 1]), ([0, 20], [30, 5])):
         outs = run(config(), prefix, extend, dtype=torch.float16)
         assert close(outs["triton"][0], outs["torch"][0], 1e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_fused_add_rmsnorm_and_silu_mul(dtype, tol):
+    from kernels.fused import add_rms_norm, silu_and_mul
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    for r in (None, res):
+        out, new_res = add_rms_norm(x, r, w, 1e-6, fused=True)
+        ref_out, ref_res = add_rms_norm(x, r, w, 1e-6, fused=False)
+        assert torch.equal(new_res, ref_res)
+        assert close(out.float(), ref_out.float(), tol)
+    h = torch.randn(7, 2 * 1500, generator=g).to(dtype)  # wider than one kernel block
+    assert close(silu_and_mul(h, fused=True).float(), silu_and_mul(h, fused=False).float(), tol)
