@@ -9,6 +9,7 @@ from kernels.attention.base import AttentionBackend, AttentionInputs
 _BACKENDS = {
     "torch": "kernels.attention.torch_backend:TorchBackend",
     "triton": "kernels.attention.triton_backend:TritonBackend",
+    "flashinfer": "kernels.attention.flashinfer_backend:FlashInferBackend",
 }
 
 

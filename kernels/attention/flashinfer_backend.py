@@ -1,0 +1,47 @@
+"""FlashInfer's paged attention (GPU only). Our pool's per-layer layout, [pages, 2, page_size, kv_heads,
+head_dim], is FlashInfer's single-tensor NHD layout, so pages are used in place. Decode-only steps use the
+decode wrapper; steps with prefill chunks (mixed with decodes or not) the prefill wrapper, whose causal mask
+is aligned to the end of each request's KV, as ours is."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.base import AttentionBackend, AttentionInputs, AttentionStep
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(self, pool, config):
+        super().__init__(pool, config)
+        import flashinfer
+
+        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def plan(self, x: AttentionInputs) -> AttentionStep:
+        c = self.config
+        common = dict(window_left=(c.sliding_window - 1) if c.sliding_window else -1,
+                      q_data_type=self.pool.dtype, kv_data_type=self.pool.dtype, sm_scale=c.head_dim ** -0.5)
+        shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.pool.page_size)
+        if x.is_decode:
+            self.decode.plan(x.kv_indptr, x.kv_indices, x.kv_last_page_len, *shape, **common)
+            wrapper = self.decode
+        else:
+            self.prefill.plan(x.qo_indptr, x.kv_indptr, x.kv_indices, x.kv_last_page_len, *shape, causal=True,
+                              **common)
+            wrapper = self.prefill
+        return _FlashInferStep(self.pool, wrapper, self.pool.kv_rows(x.out_pages, x.out_offsets))
+
+
+class _FlashInferStep(AttentionStep):
+    def __init__(self, pool, wrapper, write_rows):
+        self.pool = pool
+        self.wrapper = wrapper
+        self.write_rows = write_rows
+
+    def forward(self, q, k, v, layer_id):
+        self.pool.write(layer_id, self.write_rows, k, v)
+        return self.wrapper.run(q, self.pool.layer(layer_id))
