@@ -145,11 +145,13 @@ def attention_times(engine: Engine, names: list[str], batch: int, ctx: int, iter
     from kernels.attention import create_backend
 
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)  # none finishes meanwhile
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):
         engine.step()
-    _, _, x, _ = engine.runner.prepare(engine.scheduler.schedule())
+    chunks = engine.scheduler.schedule()
+    assert len(chunks) == batch and all(c.length == 1 for c in chunks)
+    _, _, x, _ = engine.runner.prepare(chunks)
     c = engine.config
     dev, dt = engine.pool.device, engine.pool.dtype
     q = torch.randn(batch, c.num_attention_heads, c.head_dim, device=dev, dtype=dt)
