@@ -145,7 +145,7 @@ def attention_times(engine: Engine, names: list[str], batch: int, ctx: int, iter
     from kernels.attention import create_backend
 
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)  # none finishes meanwhile
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # none finishes meanwhile
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):
         engine.step()
@@ -238,9 +238,35 @@ def prefill_flops(model: CausalLM, n: int) -> float:
     return 2 * dense * n + attn
 
 
+def tune_decode(device, dtype, smoke: bool) -> None:
+    """Time the triton decode kernel's launch parameters at batch 64, 2k context (8B shape)."""
+    from kernels.attention.triton_backend import TritonBackend
+
+    cfg = dict(SMOKE_CONFIG) if smoke else json.load(open(os.path.join(HERE, "configs", "llama-3.1-8b.json")))
+    cfg["num_hidden_layers"] = 1  # one layer is enough to time one layer's attention
+    model = build(cfg, device, dtype)
+    batch, ctx = (4, 128) if smoke else (64, 2048)
+    e = engine_for(model, "triton", batch * (ctx + 64) + 1024, device, dtype, graphs=False)
+    kv_bytes_layer = kv_bytes(model, batch * ctx, dtype)
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                for min_split in (256, 512):
+                    TritonBackend.decode_block_n, TritonBackend.decode_warps = block_n, warps
+                    TritonBackend.decode_stages, TritonBackend.min_split = stages, min_split
+                    try:
+                        t = attention_times(e, ["triton"], batch, ctx, 30)["triton"]
+                    except Exception as ex:  # a configuration that does not compile or fit
+                        print(f"block_n={block_n} warps={warps} stages={stages} split={min_split}: {ex!r:.80}")
+                        continue
+                    print(f"block_n={block_n} warps={warps} stages={stages} split={min_split}: {t * 1e6:.0f} us, "
+                          f"{kv_bytes_layer / t / 1e9:.0f} GB/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
+    ap.add_argument("--tune-decode", action="store_true", help="time the decode kernel's launch parameters")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +280,8 @@ def main() -> None:
         pass
     fast = backends[0] if backends else "torch"
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    if args.tune_decode:
+        return tune_decode(device, dtype, args.smoke)
     print(f"device {name}, torch {torch.__version__}, backends {['torch'] + backends}", flush=True)
     ceil = ceilings(device, args.smoke)
     print(f"ceilings: copy {ceil['copy_bw'] / 1e9:.0f} GB/s, bf16 matmul {ceil['matmul'] / 1e12:.0f} TFLOP/s", flush=True)

@@ -151,6 +151,13 @@ def _prefill_kernel(
 
 
 class TritonBackend(AttentionBackend):
+    # Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages,
+    # and the smallest KV split (contexts shorter than this are not split).
+    decode_block_n = 32
+    decode_warps = 4
+    decode_stages = 2
+    min_split = 256
+
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
 
@@ -158,6 +165,7 @@ class TritonBackend(AttentionBackend):
 class _TritonStep(AttentionStep):
     def __init__(self, backend: TritonBackend, x: AttentionInputs):
         self.pool = backend.pool
+        self.backend = backend
         self.x = x
         c = backend.config
         self.scale = c.head_dim ** -0.5
@@ -165,7 +173,7 @@ class _TritonStep(AttentionStep):
         self.group = c.num_attention_heads // c.num_key_value_heads
         self.write_rows = self.pool.kv_rows(x.out_pages, x.out_offsets)
         # Enough splits that B * kv_heads * splits fills the GPU; each split at least 256 tokens.
-        self.chunk = max(256, triton.cdiv(x.max_seq_len, 16))
+        self.chunk = max(backend.min_split, triton.cdiv(x.max_seq_len, 16))
         self.splits = triton.cdiv(x.max_seq_len, self.chunk)
 
     def forward(self, q, k, v, layer_id):
@@ -189,7 +197,8 @@ class _TritonStep(AttentionStep):
                 lse.stride(0), lse.stride(1),
                 self.scale, self.window, self.chunk,
                 PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
-                D=dim, BLOCK_D=block_d, BLOCK_N=32, PRECISION=precision, num_warps=4,
+                D=dim, BLOCK_D=block_d, BLOCK_N=self.backend.decode_block_n, PRECISION=precision,
+                num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
             )
             _decode_merge_kernel[(bsz, heads)](
                 o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
