@@ -336,6 +336,44 @@ def test_loadgen_reports_against_the_cluster(cluster):
     assert human.returncode == 0 and "TTFT (ms)" in human.stdout and "4/4 ok" in human.stdout
 
 
+def test_full_decode_pool_makes_requests_wait_then_503(tmp_path_factory, embedded_converted):
+    """A decode pool with room for one long prompt at a time: the next request waits for pages, and past
+    the admission timeout gets 503 with Retry-After; no prefill work starts for it."""
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_dir(None))
+    words = "ocean river mountain valley forest desert island meadow canyon glacier".split()
+
+    def prompt(seed):  # about 380 tokens, different for each seed (so no prefix is shared)
+        text = " ".join(f"{words[(seed * 7 + i * 3) % 10]}{(seed * 131 + i) % 97}" for i in range(130))
+        assert 300 < len(tok.encode(text)) < 400
+        return text
+
+    c = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", worker_args=["--max-total-tokens", "512"],
+              coordinator_args=["--admission-timeout", "2"])
+    try:
+        def ask(seed):
+            with c.client() as h:
+                return h.post("/v1/completions", json={"model": MODEL, "prompt": prompt(seed), "max_tokens": 100,
+                                                       "ignore_eos": True, "temperature": 0})
+
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, 1)
+            time.sleep(1.0)  # the first now holds most of the decode pool
+            second = pool.submit(ask, 2)
+            r2, r1 = second.result(timeout=120), first.result(timeout=120)
+        assert r1.status_code == 200 and r1.json()["usage"]["completion_tokens"] == 100
+        assert r2.status_code == 503 and r2.headers["retry-after"] == "1", r2.text
+        assert r2.json()["error"]["type"] == "service_unavailable_error"
+        prefill = next(w for w in c.workers() if w["role"] == "prefill")
+        assert prefill["load"]["transfer_count"] == 1, "the rejected request never reached the prefill worker"
+        assert ask(3).status_code == 200, "with the pool free again, requests get in"
+        assert_pools_clean(c)
+    finally:
+        c.stop()
+
+
 def test_no_worker_means_503_with_retry_after(tmp_path_factory, embedded_converted):
     c = Cluster(str(tmp_path_factory.mktemp("empty")), coordinator_args=["--admission-timeout", "1"])
     try:

@@ -151,3 +151,77 @@ def test_unpermute_inverts_llama_cpp_permutation():
     w = np.random.default_rng(0).standard_normal((4 * 8, 5)).astype(np.float32)
     assert np.array_equal(unpermute_rope(permute_rope(w, 4), 4), w)
     assert not np.array_equal(permute_rope(w, 4), w)
+
+
+def _kquant_bytes(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random but valid K-quant blocks (gguf-py cannot quantize to these; it can dequantize them)."""
+    block_bytes = {Q.Q4_K: 144, Q.Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
+    scale = np.full((rows, cols // 256), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // 256, 2)
+    if qtype == Q.Q4_K:  # d and dmin lead the block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d ends the block
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "BF16", "Q4_0"])
+def test_other_tensor_types_load_as_gguf_dequantizes_them(tmp_path, qtype):
+    """Each supported type reaches the model exactly as gguf-py dequantizes it (256-wide rows for K-quants)."""
+    import transformers as tf
+
+    qt = getattr(Q, qtype)
+    rng = np.random.default_rng(1)
+    make_tokenizer_files(str(tmp_path))
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    hf = tf.LlamaForCausalLM(cfg).float().eval()
+    path = str(tmp_path / f"{qtype}.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for fn, v in ((w.add_block_count, 1), (w.add_context_length, 256), (w.add_embedding_length, 256),
+                  (w.add_feed_forward_length, 512), (w.add_head_count, 4), (w.add_head_count_kv, 2)):
+        fn(v)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    with open(tmp_path / "tokenizer.json") as f:
+        tk = json.load(f)
+    vocab = sorted(tk["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]])
+    expect = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied: GGUF has no output tensor
+            continue
+        gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(name)
+        if gname is None:
+            part = name.split(".")
+            gname = f"blk.{part[2]}.{LAYER_TENSORS['.'.join(part[3:-1])][0]}.weight"
+        data = t.float().numpy()
+        if data.ndim == 1:
+            w.add_tensor(gname, data)
+            expect[name] = data
+            continue
+        if qt in (Q.Q4_K, Q.Q6_K):
+            stored = _kquant_bytes(data.shape[0], data.shape[1], qt, rng)
+        else:
+            stored = gguf.quants.quantize(data, qt)
+        w.add_tensor(gname, stored, raw_dtype=qt)
+        deq = gguf.quants.dequantize(stored, qt).reshape(data.shape).astype(np.float32)
+        heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 2}.get(".".join(name.split(".")[3:-1]))
+        expect[name] = unpermute_rope(deq, heads) if heads else deq
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    engine = Engine(model_path=path, max_total_tokens=512)
+    ours = dict(engine.model.named_parameters())
+    q, k, _ = ours["layers.0.self_attn.qkv_proj.weight"].split([256, 128, 128])
+    assert torch.equal(q, torch.from_numpy(expect["model.layers.0.self_attn.q_proj.weight"]))
+    assert torch.equal(k, torch.from_numpy(expect["model.layers.0.self_attn.k_proj.weight"]))
+    assert torch.equal(ours["layers.0.mlp.down_proj.weight"], torch.from_numpy(expect["model.layers.0.mlp.down_proj.weight"]))
+    assert torch.equal(ours["embed_tokens.weight"], torch.from_numpy(expect["model.embed_tokens.weight"]))
+    assert engine.config.tie_word_embeddings

@@ -86,3 +86,19 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models):
                               eos_token_id=None, pad_token_id=0)[0, req.prompt_len:].tolist()
         assert req.output_ids == ref
     assert_pool_clean(engine)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama, tmp_path):
+    import os
+
+    from conftest import make_tokenizer_files
+
+    path, hf = tiny_llama
+    hf.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    make_tokenizer_files(str(tmp_path))
+    a = Engine(model_path=path, max_total_tokens=1024)
+    b = Engine(model_path=str(tmp_path), max_total_tokens=1024)
+    for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
