@@ -155,7 +155,7 @@ class TritonBackend(AttentionBackend):
     # and the smallest KV split (contexts shorter than this are not split).
     decode_block_n = 32
     decode_warps = 4
-    decode_stages = 2
+    decode_stages = 3
     min_split = 256
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
