@@ -66,6 +66,17 @@ def run_worker(ns, role: str) -> None:
     Worker(args).run()
 
 
+def die_with_parent() -> None:
+    """In a child of `up`: get SIGTERM when `up` itself dies, even by SIGKILL (Linux), so no worker is
+    left behind holding a GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -92,7 +103,7 @@ def run_up(ns, engine_argv: list[str]) -> int:
     for role, n in plan:
         for _ in range(n):
             cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv)
-    children = [subprocess.Popen(c) for c in cmds]
+    children = [subprocess.Popen(c, preexec_fn=die_with_parent) for c in cmds]
 
     def stop(*_):
         for c in children:

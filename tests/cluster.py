@@ -13,6 +13,8 @@ import uuid
 
 import httpx
 
+from coordinator.cli import die_with_parent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_ENGINE_ARGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "512"]
 
@@ -81,7 +83,9 @@ class Cluster:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(os.path.join(self.logdir, f"{name}.log"), "w")
-        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        # Children die with the test process, even when it is killed, so no cluster outlives a test run.
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            preexec_fn=die_with_parent)
 
     @property
     def headers(self) -> dict:

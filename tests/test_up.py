@@ -37,8 +37,20 @@ def start_up(*extra: str) -> tuple[subprocess.Popen, str]:
         lines.append(line)
         if line.startswith("pdserve ready"):
             break
-    assert lines and lines[-1].startswith(f"pdserve ready at http://127.0.0.1:{port}"), lines
+    if not (lines and lines[-1].startswith(f"pdserve ready at http://127.0.0.1:{port}")):
+        stop(p)
+        raise AssertionError(f"no ready line: {lines}")
     return p, f"http://127.0.0.1:{port}"
+
+
+def stop(p: subprocess.Popen) -> None:
+    """SIGTERM lets `up` stop its children; SIGKILL is the last resort (children then die with it too)."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def wait_gone(pids, timeout=20) -> bool:
@@ -61,7 +73,7 @@ def test_ready_line_then_ctrl_c_stops_everything():
         assert p.wait(timeout=30) == 0
         assert wait_gone(kids)
     finally:
-        p.kill()
+        stop(p)
 
 
 def test_a_dying_child_takes_the_cluster_down():
@@ -72,4 +84,12 @@ def test_a_dying_child_takes_the_cluster_down():
         assert p.wait(timeout=30) == 1
         assert wait_gone(kids)
     finally:
-        p.kill()
+        stop(p)
+
+
+def test_children_die_with_a_killed_up():
+    p, _ = start_up("--colocated", "1")
+    kids = children(p.pid)
+    p.kill()  # no chance to clean up: the children must still go
+    p.wait()
+    assert wait_gone(kids)
