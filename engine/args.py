@@ -39,6 +39,11 @@ class EngineArgs:
     disable_radix_cache: bool = False
     # Seed for requests that bring none.
     random_seed: int | None = None
+    # Tensor parallelism: this process is rank tp_rank of tp_size, meeting the others at dist_init_addr
+    # (a torch.distributed init method such as tcp://10.0.0.1:29500). Every rank runs the same requests.
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_init_addr: str | None = None
     # CUDA graphs for decode steps (GPU, triton backend): off switch, largest batch, longest context.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160
@@ -53,13 +58,19 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
+        if self.tp_size > 1 and not self.dist_init_addr:
+            raise ValueError("tensor parallelism needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if torch.cuda.is_available():
+                return torch.device("cuda", self.tp_rank if self.tp_size > 1 else 0)
+            return torch.device("cpu")
         return torch.device(self.device)
 
     @property
@@ -116,6 +127,9 @@ class EngineArgs:
         p.add_argument("--kv-cache-dtype", default="auto")
         p.add_argument("--disable-radix-cache", action="store_true")
         p.add_argument("--random-seed", type=int, default=None)
+        p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+        p.add_argument("--tp-rank", type=int, default=0)
+        p.add_argument("--dist-init-addr", default=None)
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--cuda-graph-max-bs", type=int, default=160)
         p.add_argument("--cuda-graph-max-context", type=int, default=8192)

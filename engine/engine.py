@@ -15,6 +15,7 @@ from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model, resolve_model_dir
 from engine.model import CausalLM
+from engine.parallel import init_tensor_parallel
 from engine.request import Logprob, Request, Status
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -38,10 +39,11 @@ class Engine:
         self.args = args
         t0 = time.perf_counter()
         self.device = args.torch_device
+        self.tp = init_tensor_parallel(args.tp_rank, args.tp_size, args.dist_init_addr, self.device)
         if model is None:
             model_dir = resolve_model_dir(args.model_path)
             self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
-            self.model = load_model(model_dir, args.torch_dtype, self.device)
+            self.model = load_model(model_dir, args.torch_dtype, self.device, self.tp)
         else:
             self.tokenizer = None
             self.model = model
@@ -67,7 +69,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
-        self._rng = random.Random(args.random_seed)
+        # Ranks of a tensor-parallel group must draw the same seeds for unseeded requests.
+        self._rng = random.Random(args.random_seed if args.random_seed is not None or args.tp_size == 1 else 0)
         self.requests: dict[str, Request] = {}
         self.awaiting: dict[str, Request] = {}  # pages reserved, KV being written by a prefill worker
         self.held: dict[str, Request] = {}  # finished prefill requests whose pages are still being sent

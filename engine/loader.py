@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import CausalLM
+from engine.parallel import TensorParallel
 from engine.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,10 @@ def resolve_model_dir(model_path: str | None) -> str:
     return path
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> CausalLM:
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     # Build without initialising (the checkpoint overwrites everything), then fill from the checkpoint.
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(iter_safetensors(model_dir))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.parallel import TensorParallel
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 
 
@@ -87,10 +88,11 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.layer_id = layer_id
-        self.config = config
+        self.config = config  # this rank's share of the heads
+        self.tp = tp
         c = config
         self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
@@ -110,25 +112,26 @@ class Attention(nn.Module):
         # Rope on q and k heads together: one pass instead of two.
         q, k = Rotary.apply(cos_sin, qk).split([c.num_attention_heads, c.num_key_value_heads], dim=1)
         out = attn.forward(q, k, v, self.layer_id)
-        return self.o_proj(out.reshape(n, c.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,30 +144,45 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.full_config = config
+        # `config` is this rank's view from here on: its heads and MLP width, the whole vocabulary.
+        self.config = config = tp.shard_config(config)
+        self.vocab_start, self.vocab_end, rows = tp.vocab_range(config.vocab_size)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos_sin, attn)
         return self.norm.add_norm(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; the sum is the row.
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        x = self.embed_tokens((input_ids - self.vocab_start) * mine) * mine[:, None]
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits
 
     # Checkpoint names -> (our parameter, shard index within a merged parameter).
     _MERGED = {
@@ -174,6 +192,28 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    def _shard(self, target: str, part: int | None, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor (whole tensors with size 1)."""
+        tp = self.tp
+        if tp.size == 1:
+            return t
+        c = self.config
+        kind = target.split(".")[-2] if "." in target else target
+        if kind in ("embed_tokens", "lm_head"):
+            start, end, rows = tp.vocab_range(c.vocab_size)
+            out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+            out[: end - start] = t[start:end]
+            return out
+        if kind == "qkv_proj":
+            size = [c.q_size, c.kv_size, c.kv_size][part]
+            return t.narrow(0, tp.rank * size, size)
+        if kind == "gate_up_proj":
+            return t.narrow(0, tp.rank * c.intermediate_size, c.intermediate_size)
+        if kind in ("o_proj", "down_proj") and t.dim() == 2:
+            width = t.shape[1] // tp.size
+            return t.narrow(1, tp.rank * width, width)
+        return t  # norms: replicated
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; q/k/v and gate/up land in their merged parameters."""
@@ -196,6 +236,7 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {c.model_type} model")
             param = params[target]
+            tensor = self._shard(target, shard, tensor)
             if shard is None:
                 dst = param.data
             else:

@@ -1,0 +1,65 @@
+"""Tensor parallelism: Megatron-style sharding of the decoder over `size` ranks.
+
+Column-parallel (output dim split): qkv_proj (by heads), gate_up_proj; row-parallel (input dim split, output
+all-reduced): o_proj, down_proj; vocab-parallel: embed_tokens (rows split, lookups all-reduced) and the LM
+head (logits all-gathered). Norms are replicated. Each rank keeps num_heads/size query heads and
+num_kv_heads/size KV heads, so its KV pool holds only its heads. The group is passed explicitly; nothing
+here is global. With size 1 every operation is the plain one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch.distributed ProcessGroup; None with size 1
+
+    def shard_config(self, c: ModelConfig) -> ModelConfig:
+        """This rank's view of the model: its share of heads and of the MLP width (vocab stays whole)."""
+        if self.size == 1:
+            return c
+        for name, v in (("num_attention_heads", c.num_attention_heads),
+                        ("num_key_value_heads", c.num_key_value_heads),
+                        ("intermediate_size", c.intermediate_size)):
+            if v % self.size:
+                raise ValueError(f"--tp {self.size} does not divide {name} ({v})")
+        return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // self.size,
+                                   num_key_value_heads=c.num_key_value_heads // self.size,
+                                   intermediate_size=c.intermediate_size // self.size)
+
+    def vocab_range(self, vocab: int) -> tuple[int, int, int]:
+        """(first row, end row, rows held) of this rank's vocabulary shard; the last shard is padded."""
+        per = -(-vocab // self.size)
+        start = self.rank * per
+        return start, min(start + per, vocab), per
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+    if size == 1:
+        return TensorParallel()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                                rank=rank, world_size=size)
+    return TensorParallel(rank, size, dist.group.WORLD)

@@ -1,0 +1,72 @@
+"""Tensor parallelism over 2 CPU processes (gloo) computes what one process and transformers compute."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from cluster import free_port
+from conftest import rel_err
+from test_models import PROMPTS, hf_logits
+
+STEPS = 8
+
+
+def rank_main(rank: int, size: int, addr: str, path: str, out: str) -> None:
+    from engine import Engine, SamplingParams
+
+    engine = Engine(model_path=path, max_total_tokens=2048, tp_size=size, tp_rank=rank, dist_init_addr=addr)
+    seen: dict[str, list] = {}
+    inner = engine.runner.sample
+
+    def sample(logits, reqs):
+        for row, req in zip(logits, reqs):
+            seen.setdefault(req.rid, []).append(row.clone())
+        return inner(logits, reqs)
+
+    engine.runner.sample = sample
+    greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    reqs = [engine.add_request(p, greedy, rid=f"g{i}") for i, p in enumerate(PROMPTS)]
+    reqs.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=STEPS,
+                                                              ignore_eos=True), rid="seeded"))
+    while engine.has_work():
+        engine.step()
+    engine.check()
+    torch.save({"outputs": {r.rid: r.output_ids for r in reqs}, "logits": {k: torch.stack(v) for k, v in seen.items()},
+                "kv_heads": engine.pool.kv_heads}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_two_ranks_match_one_and_transformers(family, tiny_models, tmp_path):
+    from engine import Engine, SamplingParams
+
+    path, hf = tiny_models[family]
+    out = str(tmp_path / "tp")
+    ctx = mp.get_context("spawn")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=rank_main, args=(r, 2, addr, path, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert ranks[0]["outputs"] == ranks[1]["outputs"], "every rank takes the same decisions"
+    assert ranks[0]["kv_heads"] == 1, "each rank keeps half of the 2 KV heads"
+
+    single = Engine(model_path=path, max_total_tokens=2048, random_seed=0)
+    greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        ids = ranks[0]["outputs"][f"g{i}"]
+        ref = hf_logits(hf, p + ids)[len(p) - 1: len(p) + STEPS - 1]
+        assert rel_err(ranks[0]["logits"][f"g{i}"], ref) < 1e-4
+        r = single.add_request(p, greedy)
+        while single.has_work():
+            single.step()
+        assert r.output_ids == ids
+    seeded = single.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=STEPS, ignore_eos=True))
+    while single.has_work():
+        single.step()
+    assert seeded.output_ids == ranks[0]["outputs"]["seeded"]
