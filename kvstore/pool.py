@@ -71,10 +71,18 @@ class KVPool:
         k = pages * (2 * self.page_size) + offsets
         return torch.stack([k, k + self.page_size], dim=-1)
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
     def write(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new tokens' K and V ([N, kv_heads, head_dim]) at `rows` ([N, 2], from kv_rows)."""
-        self.rows(layer_id)[rows.view(-1)] = torch.stack([k, v], dim=1).view(-1, self.kv_heads, self.head_dim).to(
-            self.dtype)
+        kv = torch.stack([k, v], dim=1).view(-1, self.kv_heads, self.head_dim)
+        if self.is_fp8:
+            # Saturate: the cast itself turns values beyond the format's range into NaN. Scale is 1.0.
+            limit = torch.finfo(self.dtype).max
+            kv = kv.clamp(-limit, limit)
+        self.rows(layer_id)[rows.view(-1)] = kv.to(self.dtype)
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, page_size: int, bytes_per_token: int) -> int:

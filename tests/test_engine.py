@@ -185,3 +185,31 @@ def test_embedded_model_knows_the_capital_of_france():
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
     assert_pool_clean(llm.engine)
+
+
+def test_fp8_kv_cache_doubles_capacity_and_stays_close(tiny_llama):
+    import torch
+
+    from conftest import rel_err
+    from test_models import PROMPTS, record_logits
+
+    path, _ = tiny_llama
+    sized = {dt: Engine(model_path=path, kv_cache_dtype=dt, mem_fraction_static=0.004)
+             for dt in ("bfloat16", "fp8_e4m3")}
+    ratio = sized["fp8_e4m3"].pool.max_total_num_tokens / sized["bfloat16"].pool.max_total_num_tokens
+    assert abs(ratio - 2.0) <= 0.1
+    assert sized["fp8_e4m3"].pool.data.dtype == torch.float8_e4m3fn
+    del sized
+
+    logits = {}
+    for dt in ("bfloat16", "fp8_e4m3"):
+        engine = Engine(model_path=path, max_total_tokens=2048, kv_cache_dtype=dt)
+        seen = record_logits(engine)
+        # The first token's logits of each prompt: prefill attention reads every K/V back from the pool, so
+        # the FP8 rounding is in them, and both engines see exactly the same tokens.
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), rid=str(i))
+        drain(engine)
+        logits[dt] = torch.cat([torch.stack(seen[str(i)])[:1] for i in range(len(PROMPTS))])
+        assert_pool_clean(engine)
+    assert rel_err(logits["fp8_e4m3"], logits["bfloat16"]) < 5e-2

@@ -56,8 +56,9 @@ def _decode_split_kernel(
         page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
         row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
         kmask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -131,8 +132,9 @@ def _prefill_kernel(
         page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
         row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
         kmask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
+        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         allowed = valid[None, :] & (t[None, :] <= q_pos[:, None])
         if window > 0:
