@@ -9,7 +9,7 @@ import torch
 
 from cluster import free_port
 from conftest import rel_err
-from test_models import PROMPTS, hf_logits
+from test_models import PROMPTS, hf_logits, record_logits
 
 STEPS = 8
 
@@ -18,15 +18,7 @@ def rank_main(rank: int, size: int, addr: str, path: str, out: str) -> None:
     from engine import Engine, SamplingParams
 
     engine = Engine(model_path=path, max_total_tokens=2048, tp_size=size, tp_rank=rank, dist_init_addr=addr)
-    seen: dict[str, list] = {}
-    inner = engine.runner.sample
-
-    def sample(logits, reqs):
-        for row, req in zip(logits, reqs):
-            seen.setdefault(req.rid, []).append(row.clone())
-        return inner(logits, reqs)
-
-    engine.runner.sample = sample
+    seen = record_logits(engine)
     greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     reqs = [engine.add_request(p, greedy, rid=f"g{i}") for i, p in enumerate(PROMPTS)]
     reqs.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=STEPS,
