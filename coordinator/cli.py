@@ -28,7 +28,7 @@ def _add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--redis-url", default=None, help="worker registry in Redis (default: in the coordinator)")
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl"])
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl", "cuda_ipc"])
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--context-length", type=int, default=None)
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=int(os.environ.get("PORT", 30000)))
     up.add_argument("--redis-url", default=None)
     up.add_argument("--api-key", action="append", default=[])
-    up.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl"])
+    up.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl", "cuda_ipc"])
     ns, rest = ap.parse_known_args(argv)
     _log(ns.log_level)
     if ns.cmd == "up":

@@ -243,7 +243,7 @@ class Dispatcher:
         prefill = self._pick_prefill(t, prefills)
         decodes.sort(key=lambda w: (self._decode_inflight.get(w.worker_id, 0) + w.load.running, -w.load.free_pages))
         for dec in decodes:
-            backend = agree(list(prefill.transfer), list(dec.transfer), self.transfer_backend)
+            backend = agree(prefill.transfer, dec.transfer, self.transfer_backend)
             if backend is None or dec.layout != prefill.layout:
                 continue
             fut = asyncio.get_running_loop().create_future()

@@ -64,7 +64,8 @@ class Worker:
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.bind(f"tcp://{args.host}:{args.port or '*'}")
         self.ctrl_addr = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-        names = available_backends() if args.transfer_backends == "auto" else args.transfer_backends.split(",")
+        names = available_backends(self.engine.pool.data.is_cuda) if args.transfer_backends == "auto" \
+            else args.transfer_backends.split(",")
         self.transfers = {n: create_transfer(n, self.engine.pool, self.worker_id, args.host) for n in names}
         self.outbox = Outbox(self.ctx)
         self.stopping = False

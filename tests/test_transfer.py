@@ -87,7 +87,22 @@ def test_malformed_frames_are_dropped_not_fatal():
 
 
 def test_backend_agreement():
-    assert agree(["tcp", "nixl"], ["tcp", "nixl"]) == "nixl"
-    assert agree(["tcp"], ["tcp", "nixl"]) == "tcp"
-    assert agree(["tcp", "nixl"], ["tcp", "nixl"], "tcp") == "tcp"
-    assert agree(["tcp"], ["nixl"]) is None
+    both = {"tcp": b"t", "nixl": b"n"}
+    assert agree(both, both) == "nixl"
+    assert agree({"tcp": b"t"}, both) == "tcp"
+    assert agree(both, both, "tcp") == "tcp"
+    assert agree({"tcp": b"t"}, {"nixl": b"n"}) is None
+
+
+def test_cuda_ipc_only_between_processes_of_one_machine():
+    import msgspec
+
+    from transfer.cuda_ipc import _Endpoint, machine_id
+
+    def ep(machine):
+        return msgspec.msgpack.encode(_Endpoint(machine, "tcp://x:1", [], [1], "bfloat16"))
+
+    here, there = {"cuda_ipc": ep(machine_id()), "tcp": b"t"}, {"cuda_ipc": ep("another-machine"), "tcp": b"t"}
+    assert agree(here, dict(here)) == "cuda_ipc"
+    assert agree(here, there) == "tcp"
+    assert agree(here, there, "cuda_ipc") is None

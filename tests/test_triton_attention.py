@@ -102,3 +102,18 @@ def test_fused_add_rmsnorm_and_silu_mul(dtype, tol):
         assert close(out.float(), ref_out.float(), tol)
     h = torch.randn(7, 2 * 1500, generator=g).to(dtype)  # wider than one kernel block
     assert close(silu_and_mul(h, fused=True).float(), silu_and_mul(h, fused=False).float(), tol)
+
+
+def test_page_copy_kernel_moves_whole_pages_across_pools():
+    from kernels.page_copy import copy_pages
+
+    src = KVPool(20, PAGE, 3, 2, 8, torch.float32, "cpu")
+    dst = KVPool(30, PAGE, 3, 2, 8, torch.float32, "cpu")
+    src.data.copy_(torch.randn(src.data.shape))
+    before = dst.data.clone()
+    s, d = torch.tensor([3, 17, 5]), torch.tensor([29, 2, 11])
+    copy_pages(src.data, dst.data, s, d, fused=True)
+    for a, b in zip(s.tolist(), d.tolist()):
+        assert torch.equal(dst.data[:, b], src.data[:, a])
+    rest = [p for p in range(30) if p not in d.tolist()]
+    assert torch.equal(dst.data[:, rest], before[:, rest])

@@ -6,11 +6,12 @@ import importlib
 
 from transfer.base import SendResult, TransferEngine
 
-_BACKENDS = {"tcp": "transfer.tcp:TcpTransfer", "nixl": "transfer.nixl:NixlTransfer"}
+_BACKENDS = {"tcp": "transfer.tcp:TcpTransfer", "nixl": "transfer.nixl:NixlTransfer",
+             "cuda_ipc": "transfer.cuda_ipc:CudaIpcTransfer"}
 
 
-def available_backends() -> list[str]:
-    names = ["tcp"]
+def available_backends(on_gpu: bool = False) -> list[str]:
+    names = ["tcp"] + (["cuda_ipc"] if on_gpu else [])
     try:
         from transfer.nixl import nixl_available
 
@@ -28,9 +29,15 @@ def create_transfer(name: str, pool, worker_id: str, host: str) -> TransferEngin
     return getattr(importlib.import_module(module), cls)(pool, worker_id, host)
 
 
-def agree(prefill: list[str], decode: list[str], wanted: str = "auto") -> str | None:
-    """The backend a prefill-decode pair uses: the one asked for, or under auto the fastest both have."""
-    common = [b for b in ("nixl", "tcp") if b in prefill and b in decode]
+def agree(prefill: dict[str, bytes], decode: dict[str, bytes], wanted: str = "auto") -> str | None:
+    """The backend a prefill-decode pair uses (given each side's endpoints by backend): the one asked for,
+    or under auto the fastest both have. cuda_ipc counts only between processes of one machine."""
+    common = [b for b in ("cuda_ipc", "nixl", "tcp") if b in prefill and b in decode]
+    if "cuda_ipc" in common:
+        from transfer.cuda_ipc import same_machine
+
+        if not same_machine(prefill["cuda_ipc"], decode["cuda_ipc"]):
+            common.remove("cuda_ipc")
     if wanted == "auto":
         return common[0] if common else None
     return wanted if wanted in common else None

@@ -1,0 +1,144 @@
+"""CUDA IPC transfer: within one machine, the prefill worker writes straight into the decode worker's pool.
+
+The decode worker exports its pool's storage once (a CUDA IPC handle in its endpoint); the prefill worker
+maps it on first use and copies a request's pages for all layers with one page-copy kernel launch. When the
+copy has finished on the GPU (an event), the notification goes over ZMQ to the decode worker. Writes are
+one-sided, as with NIXL (see transfer/base.py on aborts).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import msgspec
+import torch
+import zmq
+
+from kernels.page_copy import copy_pages
+from transfer.base import SendResult, TransferEngine, now
+
+logger = logging.getLogger(__name__)
+
+
+def machine_id() -> str:
+    """One id per booted machine: processes that share it can share GPU memory through CUDA IPC."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+class _Endpoint(msgspec.Struct):
+    machine: str
+    notify_addr: str
+    handle: list  # torch's description of the shared storage (device, handle, size, offset, refcount, event)
+    shape: list[int]
+    dtype: str
+
+
+def same_machine(a: bytes, b: bytes) -> bool:
+    try:
+        return msgspec.msgpack.decode(a, type=_Endpoint).machine == msgspec.msgpack.decode(b, type=_Endpoint).machine
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
+class CudaIpcTransfer(TransferEngine):
+    name = "cuda_ipc"
+    one_sided = True
+
+    def __init__(self, pool, worker_id: str, host: str, ctx: zmq.Context | None = None):
+        super().__init__(pool, worker_id, host)
+        if not pool.data.is_cuda:
+            raise ValueError("cuda_ipc needs the KV pool on a GPU")
+        self.ctx = ctx or zmq.Context.instance()
+        self.rx = self.ctx.socket(zmq.PULL)
+        self.rx.setsockopt(zmq.LINGER, 0)
+        self.rx.bind(f"tcp://{host}:*")
+        self.addr = self.rx.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.peers: dict[str, tuple[torch.Tensor, zmq.Socket]] = {}
+        self.pending: list[tuple[str, torch.cuda.Event, bytes, zmq.Socket, float, int]] = []
+        self.done: list[SendResult] = []
+
+    def endpoint(self) -> bytes:
+        data = self.pool.data
+        handle = list(data.untyped_storage()._share_cuda_())
+        return msgspec.msgpack.encode(_Endpoint(machine_id(), self.addr, handle, list(data.shape),
+                                                str(data.dtype).removeprefix("torch.")))
+
+    def sockets(self):
+        return [self.rx]
+
+    def _peer(self, peer_id: str, endpoint: bytes):
+        if peer_id not in self.peers:
+            ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
+            if ep.machine != machine_id():
+                raise ValueError(f"peer {peer_id} is on another machine")
+            if ep.dtype != self.layout.dtype or ep.shape[0] != self.pool.num_layers or \
+                    tuple(ep.shape[2:]) != tuple(self.pool.data.shape[2:]):
+                raise ValueError(f"peer {peer_id} has a different KV layout")
+            storage = torch.UntypedStorage._new_shared_cuda(*ep.handle)
+            remote = torch.empty(0, dtype=self.pool.dtype, device=self.pool.device)
+            remote.set_(storage, 0, tuple(ep.shape))
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep.notify_addr)
+            self.peers[peer_id] = (remote, sock)
+        return self.peers[peer_id]
+
+    def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
+        t0 = now()
+        try:
+            remote, sock = self._peer(peer_id, peer_endpoint)
+            dev = self.pool.device
+            copy_pages(self.pool.data, remote, torch.tensor(src_pages, dtype=torch.int32, device=dev),
+                       torch.tensor(dst_pages, dtype=torch.int32, device=dev))
+        except (ValueError, RuntimeError) as e:
+            self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((rid, event, notify, sock, t0, len(src_pages) * self.pool.page_bytes))
+
+    def poll_sent(self):
+        still = []
+        for rid, event, notify, sock, t0, nbytes in self.pending:
+            if not event.query():
+                still.append((rid, event, notify, sock, t0, nbytes))
+                continue
+            try:  # the pages are in place: tell the receiver
+                sock.send_multipart([rid.encode(), notify], flags=zmq.NOBLOCK)
+                self.done.append(self._record(SendResult(rid, True, nbytes=nbytes, seconds=now() - t0)))
+            except zmq.Again:
+                self.done.append(self._record(SendResult(rid, False, "cuda_ipc: receiver not taking notices")))
+        self.pending = still
+        out, self.done = self.done, []
+        return out
+
+    def expect(self, rid, dst_pages):
+        pass  # one-sided: the decode role keeps the pages of requests it gave up on (transfer/base.py)
+
+    def forget(self, rid):
+        pass
+
+    def poll_received(self):
+        out = []
+        while True:
+            try:
+                frames = self.rx.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) == 2:
+                out.append((frames[0].decode(errors="replace"), frames[1]))
+
+    def drop_peer(self, peer_id):
+        entry = self.peers.pop(peer_id, None)
+        if entry is not None:
+            entry[1].close(0)
+
+    def close(self):
+        for peer in list(self.peers):
+            self.drop_peer(peer)
+        self.rx.close(0)
