@@ -66,7 +66,16 @@ class Worker:
         self.ctrl_addr = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         names = available_backends(self.engine.pool.data.is_cuda) if args.transfer_backends == "auto" \
             else args.transfer_backends.split(",")
-        self.transfers = {n: create_transfer(n, self.engine.pool, self.worker_id, args.host) for n in names}
+        self.transfers = {}
+        for n in names:
+            try:
+                t = create_transfer(n, self.engine.pool, self.worker_id, args.host)
+                t.endpoint()  # a backend that cannot describe itself to peers is no use
+                self.transfers[n] = t
+            except Exception as e:  # e.g. NIXL without UCX, CUDA IPC in a sandbox: serve with the others
+                if args.transfer_backends != "auto":
+                    raise
+                logger.warning("transfer backend %s unavailable here: %s", n, e)
         self.outbox = Outbox(self.ctx)
         self.stopping = False
         self._next_snapshot = 0.0
