@@ -67,10 +67,11 @@ class Worker:
         names = available_backends(self.engine.pool.data.is_cuda) if args.transfer_backends == "auto" \
             else args.transfer_backends.split(",")
         self.transfers = {}
+        self.endpoints: dict[str, bytes] = {}  # fixed for the worker's life; published with every heartbeat
         for n in names:
             try:
                 t = create_transfer(n, self.engine.pool, self.worker_id, args.host)
-                t.endpoint()  # a backend that cannot describe itself to peers is no use
+                self.endpoints[n] = t.endpoint()  # a backend that cannot describe itself to peers is no use
                 self.transfers[n] = t
             except Exception as e:  # e.g. NIXL without UCX, CUDA IPC in a sandbox: serve with the others
                 if args.transfer_backends != "auto":
@@ -78,6 +79,7 @@ class Worker:
                 logger.warning("transfer backend %s unavailable here: %s", n, e)
         self.outbox = Outbox(self.ctx)
         self.stopping = False
+        self.started_at = time.time()
         self._next_snapshot = 0.0
         self.role = make_role(args.role, self)
         self.snapshot = self.info()
@@ -106,8 +108,8 @@ class Worker:
             model=self.args.served_model_name or "default",
             layout=KVLayout(p.num_layers, p.page_size, p.kv_heads, p.head_dim, str(p.dtype).removeprefix("torch.")),
             max_total_tokens=p.max_total_num_tokens, max_model_len=e.max_model_len,
-            transfer={n: t.endpoint() for n, t in self.transfers.items()}, load=load, pid=os.getpid(),
-            started_at=time.time())
+            transfer=dict(self.endpoints), load=load, pid=os.getpid(),
+            started_at=self.started_at)
 
 
     # --- the loop -------------------------------------------------------------------------------------------
