@@ -36,6 +36,9 @@ class EngineArgs:
     # "auto" (the model dtype), "fp8_e4m3" / "fp8_e5m2" (one byte per value, scale 1.0: twice the tokens of
     # bf16 in the same memory), or a torch dtype name for the KV pool.
     kv_cache_dtype: str = "auto"
+    # "fp8": quantize the decoder's weights to FP8 on load (per output channel; activations per token).
+    # Refused for checkpoints that are quantized already.
+    quantization: str | None = None
     # Turn off prefix caching (pages are freed as soon as their request ends).
     disable_radix_cache: bool = False
     # Seed for requests that bring none.
@@ -63,6 +66,8 @@ class EngineArgs:
             raise ValueError(f"tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
         if self.tp_size > 1 and not self.dist_init_addr:
             raise ValueError("tensor parallelism needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
@@ -130,6 +135,7 @@ class EngineArgs:
         p.add_argument("--attention-backend", default=None)
         p.add_argument("--kv-cache-dtype", default="auto")
         p.add_argument("--disable-radix-cache", action="store_true")
+        p.add_argument("--quantization", default=None, choices=["fp8"])
         p.add_argument("--random-seed", type=int, default=None)
         p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         p.add_argument("--tp-rank", type=int, default=0)

@@ -13,7 +13,7 @@ import torch
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_model, resolve_model_dir
+from engine.loader import load_model, quantized_already, resolve_model_dir
 from engine.model import CausalLM
 from engine.parallel import init_tensor_parallel
 from engine.request import Logprob, Request, Status
@@ -42,11 +42,20 @@ class Engine:
         self.tp = init_tensor_parallel(args.tp_rank, args.tp_size, args.dist_init_addr, self.device)
         if model is None:
             model_dir = resolve_model_dir(args.model_path)
+            if args.quantization is not None:
+                why = quantized_already(args.model_path, model_dir)
+                if why:
+                    raise ValueError(f"--quantization {args.quantization} refused: the checkpoint is quantized "
+                                     f"already ({why}); load it as it is")
             self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
             self.model = load_model(model_dir, args.torch_dtype, self.device, self.tp)
         else:
             self.tokenizer = None
             self.model = model
+        if args.quantization == "fp8":
+            from kernels.fp8_linear import quantize_model
+
+            quantize_model(self.model)
         self.config: ModelConfig = self.model.config
         self.pool = self._make_pool()
         self.max_model_len = min(args.context_length or self.config.max_position_embeddings,

@@ -32,6 +32,23 @@ def embedded_model_path() -> str:
     return path
 
 
+def quantized_already(model_path: str | None, model_dir: str) -> str | None:
+    """Why the checkpoint counts as quantized (a GGUF with quantized tensors, an HF quantization_config),
+    or None."""
+    import json
+
+    path = model_path or embedded_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        import gguf
+
+        kinds = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(path).tensors}
+        quantized = sorted(kinds - {"F32", "F16", "BF16"})
+        return f"its GGUF tensors are {', '.join(quantized)}" if quantized else None
+    with open(os.path.join(model_dir, "config.json")) as f:
+        qc = json.load(f).get("quantization_config")
+    return f"its config.json has quantization_config {qc.get('quant_method', qc)!r}" if qc else None
+
+
 def resolve_model_dir(model_path: str | None) -> str:
     """An HF-layout directory for `model_path` (GGUF files are converted once and cached)."""
     from engine.gguf_file import convert_gguf

@@ -213,3 +213,37 @@ def test_fp8_kv_cache_doubles_capacity_and_stays_close(tiny_llama):
         logits[dt] = torch.cat([torch.stack(seen[str(i)])[:1] for i in range(len(PROMPTS))])
         assert_pool_clean(engine)
     assert rel_err(logits["fp8_e4m3"], logits["bfloat16"]) < 5e-2
+
+
+def test_fp8_weights_stay_close_and_quantized_checkpoints_are_refused(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    import torch
+
+    from conftest import rel_err
+    from kernels.fp8_linear import Fp8Linear
+    from test_models import PROMPTS, record_logits
+
+    path, _ = tiny_llama
+    logits = {}
+    for q in (None, "fp8"):
+        engine = Engine(model_path=path, max_total_tokens=2048, quantization=q)
+        seen = record_logits(engine)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=1), rid=str(i))
+        drain(engine)
+        logits[q] = torch.cat([seen[str(i)][0][None] for i in range(len(PROMPTS))])
+    assert isinstance(engine.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert rel_err(logits["fp8"], logits[None]) < 0.1
+    assert not torch.equal(logits["fp8"], logits[None])
+
+    quantized = tmp_path / "q"
+    shutil.copytree(path, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized already.*awq"):
+        Engine(model_path=str(quantized), max_total_tokens=1024, quantization="fp8")
+    with pytest.raises(ValueError, match="quantized already.*Q4_1"):
+        Engine(max_total_tokens=1024, quantization="fp8")  # the embedded Q4_1 GGUF
