@@ -52,6 +52,11 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160
     cuda_graph_max_context: int = 8192
+    # Run each step synchronously instead of launching step N+1 before reading back step N's tokens.
+    disable_overlap_schedule: bool = False
+    # "auto": the checkpoint's weights; "dummy": random weights of the checkpoint's shapes (config.json and
+    # the tokenizer are still read), for benchmarks of real shapes without the weight files.
+    load_format: str = "auto"
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -68,6 +73,8 @@ class EngineArgs:
             raise ValueError("tensor parallelism needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
@@ -100,6 +107,10 @@ class EngineArgs:
         if not isinstance(dt, torch.dtype):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
         return dt
+
+    @property
+    def overlap(self) -> bool:
+        return not self.disable_overlap_schedule
 
     @property
     def mem_fraction(self) -> float:
@@ -143,6 +154,8 @@ class EngineArgs:
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--cuda-graph-max-bs", type=int, default=160)
         p.add_argument("--cuda-graph-max-context", type=int, default=8192)
+        p.add_argument("--disable-overlap-schedule", action="store_true")
+        p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -8,6 +8,8 @@ import random
 import time
 import uuid
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.args import EngineArgs
@@ -25,6 +27,15 @@ from kernels.attention import create_backend, default_backend
 from kvstore import KVPool, PageAllocator, RadixCache, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inflight:
+    step: int
+    reqs: list[Request]  # the requests that sample, in the order of out's rows
+    out: object  # SampleOutput on the device
+    host: list  # its tensors' copies on their way to the host
+    event: object  # torch.cuda.Event recorded after the copies (None on the CPU)
 
 
 def _host_memory_bytes() -> int:
@@ -48,7 +59,7 @@ class Engine:
                     raise ValueError(f"--quantization {args.quantization} refused: the checkpoint is quantized "
                                      f"already ({why}); load it as it is")
             self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
-            self.model = load_model(model_dir, args.torch_dtype, self.device, self.tp)
+            self.model = load_model(model_dir, args.torch_dtype, self.device, self.tp, dummy=args.load_format == "dummy")
         else:
             self.tokenizer = None
             self.model = model
@@ -83,6 +94,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.awaiting: dict[str, Request] = {}  # pages reserved, KV being written by a prefill worker
         self.held: dict[str, Request] = {}  # finished prefill requests whose pages are still being sent
+        self._inflight: _Inflight | None = None  # the launched step whose tokens are not read back yet
+        self._steps = 0
         self.load_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.2fs: %s, %s on %s, attention=%s, max_total_num_tokens=%d",
                     self.load_seconds, self.config.model_type, args.torch_dtype, self.device, backend,
@@ -214,16 +227,37 @@ class Engine:
             self.scheduler.release(req)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to compute (requests awaiting KV from elsewhere do not count)."""
-        return self.scheduler.has_work()
+        """Whether step() has anything to compute or read back (requests awaiting KV from elsewhere do not
+        count)."""
+        return self._inflight is not None or self.scheduler.has_work()
 
     # --- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that produced a token (finished or not)."""
+        """Run one batch; returns the requests that produced a token (finished or not).
+
+        Overlapped (the default): the step is launched on the device, then the previous step's tokens are read
+        back and applied while the device computes, so the host work of a step hides behind the device work
+        of the next. Returned tokens are therefore one step behind; a request that stops gets one step of
+        wasted compute. Steps with repetition/frequency/presence penalties wait for the previous tokens first,
+        since the penalties count them.
+        """
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (not self.args.overlap or any(r.params.has_penalties for r in prev.reqs)):
+            done, prev = self._resolve(prev), None
+        else:
+            done = []
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        logits = self.runner.forward(chunks)
+        if chunks:
+            self._inflight = self._launch(chunks, prev)
+        if prev is not None:
+            done = self._resolve(prev)
+        if self._inflight is not None and not self.args.overlap:
+            done += self._resolve(self._inflight)
+            self._inflight = None
+        return done
+
+    def _launch(self, chunks, prev: "_Inflight | None") -> "_Inflight | None":
+        logits = self.runner.forward(chunks, prev.out.tokens if prev is not None and prev.out is not None else None)
         sampling = []
         for c in chunks:
             c.req.kv_len = c.start + c.length
@@ -231,19 +265,43 @@ class Engine:
                 sampling.append(c.req)
             elif c.length > 1:
                 self.scheduler.cache_pages(c.req)  # share finished prompt pages while the prompt goes on
+        self._steps += 1
+        self.scheduler.fence = self._steps
         if not sampling:
-            return []
+            return _Inflight(self._steps, [], None, None, None)
         out = self.runner.sample(logits, sampling)
-        tokens = out.tokens.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
-        for i, (req, tok) in enumerate(zip(sampling, tokens)):
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                top = list(zip(tops[0][i][:k], tops[1][i][:k])) if tops and k else []
-                req.logprobs.append(Logprob(tok, lps[i], top))
-            self._append(req, tok)
-        return sampling
+        for i, req in enumerate(sampling):
+            req.pending += 1
+            req.pending_row = i
+        host = [t.to("cpu", non_blocking=True) if t is not None else None
+                for t in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        event = None
+        if out.tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _Inflight(self._steps, sampling, out, host, event)
+
+    def _resolve(self, inf: "_Inflight") -> list[Request]:
+        """Wait for a launched step and apply its tokens."""
+        if inf.event is not None:
+            inf.event.synchronize()
+        done = []
+        if inf.reqs:
+            tokens = inf.host[0].tolist()
+            lps = inf.host[1].tolist() if inf.host[1] is not None else None
+            tops = (inf.host[2].tolist(), inf.host[3].tolist()) if inf.host[2] is not None else None
+            for i, (req, tok) in enumerate(zip(inf.reqs, tokens)):
+                req.pending -= 1
+                if req.finished:
+                    continue  # aborted, or stopped by the token before this one
+                if req.params.logprobs is not None:
+                    k = req.params.logprobs
+                    top = list(zip(tops[0][i][:k], tops[1][i][:k])) if tops and k else []
+                    req.logprobs.append(Logprob(tok, lps[i], top))
+                self._append(req, tok)
+                done.append(req)
+        self.scheduler.settle(inf.step)
+        return done
 
     def _append(self, req: Request, tok: int) -> None:
         if req.num_output == 0 and req.kv_len == req.prompt_len:

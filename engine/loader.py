@@ -61,12 +61,40 @@ def resolve_model_dir(model_path: str | None) -> str:
     return path
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> CausalLM:
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
+               dummy: bool = False) -> CausalLM:
     config = ModelConfig.from_dir(model_dir)
+    return build_model(config, dtype, device, tp, None if dummy else model_dir)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device, tp: TensorParallel | None = None,
+                weights_dir: str | None = None, seed: int = 0) -> CausalLM:
+    """The model with the checkpoint's weights from `weights_dir`, or random ones (`random_init`)."""
     with torch.device("meta"):
         model = CausalLM(config, tp)
-    # Build without initialising (the checkpoint overwrites everything), then fill from the checkpoint.
+    # Build without initialising (the checkpoint overwrites everything), then fill.
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    if weights_dir is not None:
+        model.load_weights(iter_safetensors(weights_dir))
+    else:
+        random_init(model, seed)
     model.rotary.build()
     return model.eval()
+
+
+def random_init(model: CausalLM, seed: int = 0) -> None:
+    """Random weights as a model is initialised for training: N(0, 0.02), norms at 1, biases at 0, and the
+    projections that write into the residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * layers), so that
+    the stream grows gently with depth instead of each layer overwriting it. Without that scaling a deep
+    random model is chaotic: rounding differences of 1e-3 grow to several percent of the logits, which no
+    trained model does."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    out_std = 0.02 / (2 * model.config.num_hidden_layers) ** 0.5
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            p.data.normal_(0, std, generator=gen)

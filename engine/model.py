@@ -18,6 +18,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.parallel import TensorParallel
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
+from kernels.rope import apply_rope_ref
 
 
 class RMSNorm(nn.Module):
@@ -82,9 +83,7 @@ class Rotary(nn.Module):
 
     @staticmethod
     def apply(cos_sin, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, heads, D]
-        cos, sin = cos_sin
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return apply_rope_ref(cos_sin, x)  # x: [N, heads, D]
 
 
 class Attention(nn.Module):
@@ -109,9 +108,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # Rope on q and k heads together: one pass instead of two.
-        q, k = Rotary.apply(cos_sin, qk).split([c.num_attention_heads, c.num_key_value_heads], dim=1)
-        out = attn.forward(q, k, v, self.layer_id)
+        # Rope on q and k heads together, fused with storing k and v where a kernel is available.
+        out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
 
 

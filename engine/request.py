@@ -39,6 +39,10 @@ class Request:
     # All token ids: the prompt, then the output. KV is computed for tokens[:kv_len].
     tokens: list[int] = field(default_factory=list)
     kv_len: int = 0
+    # Tokens sampled on the device but not yet read back (overlapped steps): 0 or 1 when a step is scheduled.
+    # The newest one is row `pending_row` of the latest launched step's output.
+    pending: int = 0
+    pending_row: int = -1
     pages: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     finish_reason: str | None = None  # "stop", "length", "abort"
@@ -64,6 +68,11 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def total_len(self) -> int:
+        """Tokens including the ones still on the device."""
+        return len(self.tokens) + self.pending
 
     @property
     def finished(self) -> bool:

@@ -71,7 +71,7 @@ class SamplingBatch:
             top_p=t([p.top_p for p in ps], torch.float32),
             min_p=t([p.min_p for p in ps], torch.float32),
             seeds=t([r.seed for r in reqs], torch.long),
-            steps=t([len(r.output_ids) for r in reqs], torch.long),
+            steps=t([r.num_output + r.pending for r in reqs], torch.long),  # index of the token drawn
             all_greedy=all(p.greedy for p in ps),
             use_top_k=any(p.top_k > 0 and not p.greedy for p in ps),
             use_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
@@ -84,7 +84,7 @@ class SamplingBatch:
             b.pres_penalty = t([p.presence_penalty for p in ps], torch.float32)
             b.output_counts = _counts([r.output_ids for r in reqs], vocab, device)
             b.prompt_mask = _counts([r.prompt_ids for r in reqs], vocab, device) > 0
-        banned = [(i, tok) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens
+        banned = [(i, tok) for i, r in enumerate(reqs) if r.num_output + r.pending < r.params.min_tokens
                   for tok in r.stop_ids]
         if banned:
             b.banned_rows = t([i for i, _ in banned], torch.long)

@@ -10,6 +10,11 @@ Pages: a request's page table covers its KV. Admission matches the prompt in the
 pages; new pages come from the allocator, then from evicting cached pages, and when even that fails the
 newest running requests are retracted (their pages cached or freed, their tokens recomputed later). Oldest
 requests are never retracted for newer ones, so every request finishes.
+
+Overlapped steps: a request's last sampled token may still be on the device (`req.pending`) when the next
+step is scheduled; it counts as a token to compute, and the runner takes its id from the device. Pages let go
+while a step is in flight may still be written by it, so they are held (`limbo`) until that step completes:
+only then can another process (a prefill worker pushing KV) be given them.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        return self.start + self.length == len(self.req.tokens)
+        return self.start + self.length == self.req.total_len
 
 
 class Scheduler:
@@ -51,6 +56,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retracted = 0
+        # Step number of the newest launched, unfinished step (0: none in flight), and pages dropped while it
+        # ran, each tagged with that number.
+        self.fence = 0
+        self.limbo: list[tuple[int, list[int]]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -67,7 +76,10 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            todo = len(req.tokens) - req.kv_len
+            if req.pending and req.total_len >= req.max_len:
+                i += 1  # its pending token ends it (length): nothing more to compute
+                continue
+            todo = req.total_len - req.kv_len
             n = todo if todo == 1 else min(todo, max(budget, 0))
             if n == 0:
                 i += 1
@@ -84,7 +96,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(len(req.tokens) - req.kv_len, budget)
+            n = min(req.total_len - req.kv_len, budget)
             chunks.append(Chunk(req, req.kv_len, n))
             budget -= n
         return chunks
@@ -118,7 +130,7 @@ class Scheduler:
         # Leave at least one token to compute: its logits give the next token.
         self._match(req, len(req.tokens) - 1)
         req.cached_tokens = min(req.kv_len, req.prompt_len)
-        return self._take_for(req, req.kv_len + min(len(req.tokens) - req.kv_len, budget))
+        return self._take_for(req, req.kv_len + min(req.total_len - req.kv_len, budget))
 
     def _match(self, req: Request, num_tokens: int) -> None:
         """Share the cached pages of the longest whole-page prefix of req.tokens[:num_tokens]."""
@@ -149,7 +161,8 @@ class Scheduler:
         if self.cache is None:
             return
         ps = self.config.page_size
-        n_full = min(req.kv_len // ps, len(req.pages))
+        n_full = min(req.kv_len, len(req.tokens)) // ps
+        n_full = min(n_full, len(req.pages))
         if n_full == 0:
             return
         tree_pages = self.cache.insert(req.tokens[: n_full * ps], req.pages[:n_full])
@@ -157,14 +170,33 @@ class Scheduler:
             if p != req.pages[i]:
                 # The tree already had this page's tokens: share its copy, drop ours.
                 self.allocator.retain([p])
-                self.allocator.release([req.pages[i]])
+                self.drop([req.pages[i]])
                 req.pages[i] = p
 
     def release(self, req: Request, cache: bool = True) -> None:
         if cache:
             self.cache_pages(req)
-        self.allocator.release(req.pages)
+        self.drop(req.pages)
         req.pages = []
+
+    def drop(self, pages: list[int]) -> None:
+        """Let go of pages that a step may have written; held until the step in flight, if any, completes."""
+        if self.fence and pages:
+            self.limbo.append((self.fence, list(pages)))
+        else:
+            self.allocator.release(pages)
+
+    def settle(self, done: int) -> None:
+        """Step `done` completed: pages dropped while it (or an earlier step) ran go back to the allocator."""
+        keep = []
+        for tag, pages in self.limbo:
+            if tag <= done:
+                self.allocator.release(pages)
+            else:
+                keep.append((tag, pages))
+        self.limbo = keep
+        if self.fence <= done:
+            self.fence = 0
 
     def reserve(self, req: Request) -> bool:
         """Pages for the whole prompt of a request whose KV arrives from elsewhere; cached prefix pages are
@@ -200,6 +232,9 @@ class Scheduler:
         owners: dict[int, int] = {}
         for req in list(self.running) + list(self.waiting) + list(extra_owners):
             for p in req.pages:
+                owners[p] = owners.get(p, 0) + 1
+        for _, pages in self.limbo:
+            for p in pages:
                 owners[p] = owners.get(p, 0) + 1
         cached = self.cache.page_ids() if self.cache is not None else []
         for p in cached:

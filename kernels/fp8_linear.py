@@ -1,8 +1,10 @@
 """FP8 weights: per-output-channel e4m3 weights, per-token dynamic e4m3 activations, one scaled matmul.
 
-On a GPU the product is torch._scaled_mm (FP8 tensor cores; half the weight bytes of bf16, which is what a
-memory-bound decode step pays for). Elsewhere the weights are widened back and multiplied in the activation
-dtype, which gives the same numbers up to the activation rounding, so CPU tests check the quantization.
+On a GPU, batches of up to 16 tokens (decode) take a Triton kernel that reads the FP8 weights, widens them in
+registers and multiplies with the activations as they are (no activation quantization: one launch, half the
+weight bytes of bf16, which is all a memory-bound step pays for). Larger batches (prefill) quantize the
+activations per token and use torch._scaled_mm on the FP8 tensor cores. Elsewhere the weights are widened back
+and multiplied in the activation dtype, so CPU tests check the quantization.
 """
 
 from __future__ import annotations
@@ -10,6 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton
+    triton = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -37,12 +45,64 @@ class Fp8Linear(nn.Module):
         if not x.is_cuda:
             w = self.weight_t.t().to(x.dtype) * self.scale.t().to(x.dtype)
             return F.linear(x, w, self.bias)
+        if x.shape[0] <= SMALL_M and triton is not None:
+            return fp8_weight_matmul(x, self.weight_t.t(), self.scale.view(-1), self.bias)
         amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
         x_scale = amax / FP8_MAX
         xq = (x / x_scale.to(x.dtype)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         out = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype,
                                use_fast_accum=True)
         return out if self.bias is None else out + self.bias
+
+
+SMALL_M = 16  # batches up to this many tokens use the weight-only kernel
+
+
+def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16) times FP8 w [N, K] (row-major) with per-row scale [N], + bias: [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > SMALL_M or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"fp8_weight_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}")
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    args = (x, w, scale, bias if bias is not None else scale, out, m, n, k, w.stride(0))
+    if x.is_cuda:
+        _fp8_weight_tuned[grid](*args, HAS_BIAS=bias is not None)
+    else:  # the interpreter (tests): one small configuration, no timing runs
+        _fp8_weight_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=64)
+    return out
+
+
+if triton is not None:
+    # Few configurations, so that the first call of each shape (at start-up, before graph capture) stays short.
+    _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bn, bk, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3),
+                                     (16, 512, 4, 3), (64, 128, 4, 4)]]
+
+    @triton.jit
+    def _fp8_weight_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_wn, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rm = tl.arange(0, 16)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(X + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = acc * tl.load(SCALE + rn, mask=rn < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rm[:, None] * N + rn[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _fp8_weight_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_fp8_weight_kernel)
 
 
 def quantize_model(model: nn.Module) -> int:

@@ -15,7 +15,9 @@ try:
 except ImportError:
     triton = None
 
-_CHUNK = 4096
+# Elements each program copies, and its warps (bench/gpu.py --only-ipc sweeps them).
+CHUNK = 4096
+WARPS = 4
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
@@ -34,8 +36,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
         return
     block = src[0, 0].numel()
     layers = src.shape[0]
-    _page_copy_kernel[(layers, n, triton.cdiv(block, _CHUNK))](
-        src, dst, src_pages, dst_pages, src.stride(0), dst.stride(0), block, BLOCK=_CHUNK, num_warps=4)
+    _page_copy_kernel[(layers, n, triton.cdiv(block, CHUNK))](
+        src, dst, src_pages, dst_pages, src.stride(0), dst.stride(0), block, BLOCK=CHUNK, num_warps=WARPS)
 
 
 if triton is not None:

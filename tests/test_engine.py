@@ -247,3 +247,51 @@ def test_fp8_weights_stay_close_and_quantized_checkpoints_are_refused(tiny_llama
         Engine(model_path=str(quantized), max_total_tokens=1024, quantization="fp8")
     with pytest.raises(ValueError, match="quantized already.*Q4_1"):
         Engine(max_total_tokens=1024, quantization="fp8")  # the embedded Q4_1 GGUF
+
+
+def test_overlapped_steps_give_the_same_tokens_as_synchronous_ones(tiny_llama):
+    """Step N+1 is launched before step N's tokens are read back; nothing about the output may change."""
+    path, _ = tiny_llama
+    sync = LLM(path, max_total_tokens=4096, disable_overlap_schedule=True)
+    base = sync.generate({"prompt_token_ids": [40, 41, 42]}, GREEDY)[0]
+    stop_tok = base.token_ids[4]
+    mix = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=8, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5,
+                       ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=1, ignore_eos=True),
+    ]
+    inputs = [{"prompt_token_ids": [40, 41, 42] if i in (2, 3) else p} for i, p in enumerate(prompts(len(mix)))]
+    want = sync.generate(inputs, mix)
+    overlapped = LLM(path, max_total_tokens=4096)
+    got = overlapped.generate(inputs, mix)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert a.finish_reason == b.finish_reason
+        assert [lp.token_id for lp in a.outputs[0].logprobs or []] == [lp.token_id for lp in b.outputs[0].logprobs or []]
+    assert got[2].finish_reason == "stop" and got[2].token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
+    assert len(got[3].token_ids) >= 8
+    assert_pool_clean(overlapped.engine)
+
+
+def test_pages_let_go_during_a_step_in_flight_are_held_until_it_completes(tiny_llama):
+    path, _ = tiny_llama
+    engine = Engine(model_path=path, max_total_tokens=1024, disable_radix_cache=True)
+    free0 = engine.allocator.num_free
+    a = engine.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert a.pending == 1  # the second step's token is still "on the device"
+    held = len(a.pages)
+    assert engine.abort(a.rid)
+    # The step in flight may still write a's KV: its pages must not be handed out yet.
+    assert engine.allocator.num_free == free0 - held
+    engine.check()
+    drain(engine)
+    assert a.finish_reason == "abort" and a.pending == 0
+    assert engine.allocator.num_free == free0
+    assert_pool_clean(engine)

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from engine.request import Request
 from engine.sampler import SamplingBatch, sample, uniform_noise
 from engine.sampling_params import SamplingParams
 
 
 def reqs(params, seeds=None, outputs=None, prompts=None):
-    return [SimpleNamespace(params=p, seed=(seeds or [0] * len(params))[i],
-                            output_ids=(outputs or [[]] * len(params))[i],
-                            prompt_ids=(prompts or [[]] * len(params))[i], stop_ids=(2,))
-            for i, p in enumerate(params)]
+    out = []
+    for i, p in enumerate(params):
+        prompt = list((prompts or [[]] * len(params))[i])
+        r = Request(rid=str(i), prompt_ids=prompt, params=p, seed=(seeds or [0] * len(params))[i], stop_ids=(2,),
+                    max_len=1 << 20)
+        r.tokens = prompt + list((outputs or [[]] * len(params))[i])
+        out.append(r)
+    return out
 
 
 def draw(logits, params, n=1, **kw):
@@ -24,7 +28,7 @@ def draw(logits, params, n=1, **kw):
     for step in range(n):
         rs = reqs(params, **kw)
         for r in rs:
-            r.output_ids = [0] * step
+            r.tokens = r.prompt_ids + [0] * step
         out.append(sample(logits, SamplingBatch.build(rs, logits.shape[1], "cpu")).tokens)
     return torch.stack(out, dim=1)
 

@@ -92,9 +92,12 @@ class CudaIpcTransfer(TransferEngine):
         t0 = now()
         try:
             remote, sock = self._peer(peer_id, peer_endpoint)
-            dev = self.pool.device
-            copy_pages(self.pool.data, remote, torch.tensor(src_pages, dtype=torch.int32, device=dev),
-                       torch.tensor(dst_pages, dtype=torch.int32, device=dev))
+            # Both page lists in one host-to-device copy.
+            pages = torch.tensor(list(src_pages) + list(dst_pages), dtype=torch.int32).to(self.pool.device)
+            n = len(src_pages)
+            if len(dst_pages) != n:
+                raise ValueError("source and destination page lists differ in length")
+            copy_pages(self.pool.data, remote, pages[:n], pages[n:])
         except (ValueError, RuntimeError) as e:
             self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
             return

@@ -33,15 +33,15 @@ class FlashInferBackend(AttentionBackend):
             self.prefill.plan(x.qo_indptr, x.kv_indptr, x.kv_indices, x.kv_last_page_len, *shape, causal=True,
                               **common)
             wrapper = self.prefill
-        return _FlashInferStep(self.pool, wrapper, self.pool.kv_rows(x.out_pages, x.out_offsets))
+        return _FlashInferStep(self.pool, wrapper, x)
 
 
 class _FlashInferStep(AttentionStep):
-    def __init__(self, pool, wrapper, write_rows):
+    def __init__(self, pool, wrapper, x: AttentionInputs):
         self.pool = pool
         self.wrapper = wrapper
-        self.write_rows = write_rows
+        self.x = x
+        self.write_rows = pool.kv_rows(x.out_pages, x.out_offsets)
 
-    def forward(self, q, k, v, layer_id):
-        self.pool.write(layer_id, self.write_rows, k, v)
+    def attend(self, q, layer_id):
         return self.wrapper.run(q, self.pool.layer(layer_id))

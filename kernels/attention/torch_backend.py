@@ -51,9 +51,8 @@ class _TorchStep(AttentionStep):
         self.q_index = owner * q_len + within  # flat token -> row of the padded [B*Qmax] view
         self.dense = q_len == 1 or bool((extend == q_len).all())
 
-    def forward(self, q, k, v, layer_id):
+    def attend(self, q, layer_id):
         x = self.x
-        self.pool.write(layer_id, self.write_rows, k, v)
         rows = self.pool.rows(layer_id)
         # index_select on flat indices is the fast gather on CPU; advanced indexing is several times slower.
         kv = rows.index_select(0, self.gather_rows.view(-1)).view(*self.gather_rows.shape, *rows.shape[1:])

@@ -26,20 +26,22 @@ def _decode_split_kernel(
     stride_kp, stride_kkv, stride_ks, stride_kh,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    scale, window, chunk,
-    PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    scale, window,
+    S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
-    start = s * chunk
-    end = tl.minimum(start + chunk, seq_len)
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
-    start = tl.maximum(start, lo)
+    # Each request's own KV range is cut into the S splits, so every split has work whatever the context
+    # (the split count is fixed at plan time, and a CUDA graph replays it for any length).
+    chunk = tl.cdiv(seq_len - lo, S)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, seq_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
@@ -153,12 +155,14 @@ def _prefill_kernel(
 
 
 class TritonBackend(AttentionBackend):
-    # Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages,
-    # and the smallest KV split (contexts shorter than this are not split).
+    # Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages; and
+    # the split policy: programs to aim for (a few per SM), longest split, most splits.
     decode_block_n = 32
     decode_warps = 4
     decode_stages = 3
-    min_split = 256
+    target_programs = 256
+    max_chunk = 256
+    max_splits = 64
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
@@ -174,13 +178,14 @@ class _TritonStep(AttentionStep):
         self.window = c.sliding_window or 0
         self.group = c.num_attention_heads // c.num_key_value_heads
         self.write_rows = self.pool.kv_rows(x.out_pages, x.out_offsets)
-        # Enough splits that B * kv_heads * splits fills the GPU; each split at least 256 tokens.
-        self.chunk = max(backend.min_split, triton.cdiv(x.max_seq_len, 16))
-        self.splits = triton.cdiv(x.max_seq_len, self.chunk)
+        # Splits: enough programs (batch x kv heads x splits) to fill the GPU several times over, and splits of
+        # at most max_chunk tokens for long contexts; never more than there are BLOCK_N tiles to share.
+        programs = x.batch_size * c.num_key_value_heads
+        want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, backend.max_chunk))
+        self.splits = max(1, min(want, backend.max_splits, triton.cdiv(x.max_seq_len, backend.decode_block_n)))
 
-    def forward(self, q, k, v, layer_id):
+    def attend(self, q, layer_id):
         x = self.x
-        self.pool.write(layer_id, self.write_rows, k, v)
         kv = self.pool.layer(layer_id)  # [P, 2, page, Hkv, D]
         heads, dim = q.shape[1], q.shape[2]
         block_d = triton.next_power_of_2(dim)
@@ -197,8 +202,8 @@ class _TritonStep(AttentionStep):
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 o_part.stride(0), o_part.stride(1), o_part.stride(2),
                 lse.stride(0), lse.stride(1),
-                self.scale, self.window, self.chunk,
-                PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
+                self.scale, self.window,
+                S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.backend.decode_block_n, PRECISION=precision,
                 num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
             )
