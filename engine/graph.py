@@ -70,8 +70,10 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and autotune outside the capture
-                self._forward(self.max_bs)
+            # Compile and autotune outside the capture, for every bucket: kernels may pick a different
+            # variant (or configuration) by batch size.
+            for b in [self.max_bs] + buckets(self.max_bs):
+                self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
         for b in sorted(buckets(self.max_bs), reverse=True):
             g = torch.cuda.CUDAGraph()

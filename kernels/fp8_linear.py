@@ -69,10 +69,12 @@ def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, w, scale, bias if bias is not None else scale, out, m, n, k, w.stride(0))
+    # One token: a plain multiply-and-reduce (no tensor-core padding of one row to sixteen).
+    tuned, plain = (_fp8_gemv_tuned, _fp8_gemv_kernel) if m == 1 else (_fp8_weight_tuned, _fp8_weight_kernel)
     if x.is_cuda:
-        _fp8_weight_tuned[grid](*args, HAS_BIAS=bias is not None)
+        tuned[grid](*args, HAS_BIAS=bias is not None)
     else:  # the interpreter (tests): one small configuration, no timing runs
-        _fp8_weight_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=64)
+        plain[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=64)
     return out
 
 
@@ -103,6 +105,29 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     _fp8_weight_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_fp8_weight_kernel)
+
+    @triton.jit
+    def _fp8_gemv_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_wn, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+            w = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1) * tl.load(SCALE + rn, mask=rn < N, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
+
+    _GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                     for bn, bk, w, s in [(8, 512, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3),
+                                          (32, 512, 8, 3), (64, 128, 4, 4)]]
+    _fp8_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K"])(_fp8_gemv_kernel)
 
 
 def quantize_model(model: nn.Module) -> int:
