@@ -123,6 +123,7 @@ def step_phases(engine: Engine, batch: int, ctx: int, steps: int) -> dict:
     out = {}
     for _ in range(2):
         engine.step()
+    engine.sync()  # the phases are timed one by one, on a step whose inputs are all on the host
     chunks = sched.schedule()
     out["prepare_ms"] = timed(lambda: r.prepare(chunks), steps) * 1e3
     out["forward_ms"] = timed(lambda: r.forward(chunks), steps) * 1e3
@@ -143,6 +144,7 @@ def attention_times(engine: Engine, names: list[str], batch: int, ctx: int, iter
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):
         engine.step()
+    engine.sync()
     chunks = engine.scheduler.schedule()
     assert len(chunks) == batch and all(c.length == 1 for c in chunks)
     _, _, x, _ = engine.runner.prepare(chunks)
@@ -194,7 +196,10 @@ def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
         if name != "lm_head":
             q, scale = quantize_per_channel(w)
             t8 = back_to_back(lambda: fp8_weight_matmul(x, q, scale))
-            line += f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS"
+            from kernels.fp8_linear import _fp8_gemv_tuned
+
+            line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
+                     f"({_fp8_gemv_tuned.best_config})")
             del q
         print(line, flush=True)
 
@@ -515,8 +520,7 @@ def main() -> None:
         print(rows[-2:], flush=True)
     def batch1_row(engine, model, label, target):
         """Batch-1 decode at ctx1 against the roofline (every weight + the context's KV once per step)."""
-        if device.type == "cuda":
-            print(f"  {label} batch-1 step phases: {step_phases(engine, 1, ctx1, steps)}", flush=True)
+        print(f"  {label} batch-1 step phases: {step_phases(engine, 1, ctx1, steps)}", flush=True)
         t = decode_step_time(engine, 1, ctx1, steps)
         need = (weight_bytes(model) + kv_bytes(model, ctx1, dtype)) / ceil["copy_bw"]
         rows.append((f"{label} batch-1 decode, {ctx1} ctx: step ms (roofline ms)", t * 1e3, need * 1e3, need / t,
@@ -526,6 +530,8 @@ def main() -> None:
 
     e = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype)
     t_bf16 = batch1_row(e, big, bn, ">= 0.85")
+    if args.smoke:  # the timing path itself, on whatever backend there is
+        print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:
         at = attention_times(e, ["triton", "flashinfer"], batch, ctx2, 50)
         rows.append((f"{bn} attention, batch-{batch} {ctx2} ctx, one layer: triton us (flashinfer us)",

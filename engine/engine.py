@@ -256,6 +256,11 @@ class Engine:
             self._inflight = None
         return done
 
+    def sync(self) -> list[Request]:
+        """Wait for the step in flight, if any, and apply its tokens (returned as step() returns them)."""
+        prev, self._inflight = self._inflight, None
+        return self._resolve(prev) if prev is not None else []
+
     def _launch(self, chunks, prev: "_Inflight | None") -> "_Inflight | None":
         logits = self.runner.forward(chunks, prev.out.tokens if prev is not None and prev.out is not None else None)
         sampling = []

@@ -81,8 +81,7 @@ def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 if triton is not None:
     # Few configurations, so that the first call of each shape (at start-up, before graph capture) stays short.
     _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                for bn, bk, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3),
-                                     (16, 512, 4, 3), (64, 128, 4, 4)]]
+                for bn, bk, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)]]
 
     @triton.jit
     def _fp8_weight_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_wn, HAS_BIAS: tl.constexpr,
@@ -124,9 +123,11 @@ if triton is not None:
             y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
 
+    # Few rows and long K slices per program, few warps: many small programs in flight per SM hide the memory
+    # latency that a long K loop in few programs would expose (its loads are not software-pipelined).
     _GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                     for bn, bk, w, s in [(8, 512, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3),
-                                          (32, 512, 8, 3), (64, 128, 4, 4)]]
+                     for bn, bk, w, s in [(2, 2048, 2, 2), (4, 1024, 2, 2), (8, 1024, 4, 2), (8, 512, 2, 3),
+                                          (16, 512, 4, 3)]]
     _fp8_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K"])(_fp8_gemv_kernel)
 
 
