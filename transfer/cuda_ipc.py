@@ -92,11 +92,15 @@ class CudaIpcTransfer(TransferEngine):
         t0 = now()
         try:
             remote, sock = self._peer(peer_id, peer_endpoint)
-            # Both page lists in one host-to-device copy.
-            pages = torch.tensor(list(src_pages) + list(dst_pages), dtype=torch.int32).to(self.pool.device)
             n = len(src_pages)
             if len(dst_pages) != n:
                 raise ValueError("source and destination page lists differ in length")
+            # Both page lists in one asynchronous copy from pinned memory (torch's caching host allocator
+            # keeps the buffer until the copy has run), so the host does not wait for the device here.
+            host = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
+            host.numpy()[:n] = src_pages
+            host.numpy()[n:] = dst_pages
+            pages = host.to(self.pool.device, non_blocking=True)
             copy_pages(self.pool.data, remote, pages[:n], pages[n:])
         except (ValueError, RuntimeError) as e:
             self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
