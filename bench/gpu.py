@@ -70,12 +70,12 @@ def build(cfg: dict, device, dtype) -> CausalLM:
 
 
 def engine_for(model, backend: str, tokens: int | None, device, dtype, chunk=8192, graphs=True,
-               kv="auto", mem_fraction=None, quantization=None) -> Engine:
+               kv="auto", mem_fraction=None, quantization=None, layout="auto") -> Engine:
     args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                       max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
                       disable_radix_cache=True, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
                       cuda_graph_max_context=4096, kv_cache_dtype=kv, mem_fraction_static=mem_fraction,
-                      quantization=quantization)
+                      quantization=quantization, kv_layout=layout)
     return Engine(args, model=model)
 
 
@@ -550,9 +550,20 @@ def main() -> None:
         print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:
         at = attention_times(e, ["triton", "flashinfer"], batch, ctx2, 50)
-        rows.append((f"{bn} attention, batch-{batch} {ctx2} ctx, one layer: triton us (flashinfer us)",
+        rows.append((f"{bn} attention, batch-{batch} {ctx2} ctx, one layer, {e.pool.layout} pages: triton us "
+                     f"(flashinfer us)",
                      at["triton"] * 1e6, at["flashinfer"] * 1e6, at["flashinfer"] / at["triton"], ">= 1.0"))
         print(rows[-1], flush=True)
+    if "flashinfer" in backends:  # the other page layout, for comparison
+        other = "NHD" if e.pool.layout == "HND" else "HND"
+        e2 = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype, graphs=False, layout=other)
+        at2 = attention_times(e2, ["triton", "flashinfer"], batch, ctx2, 50)
+        print(f"  attention with {other} pages: triton {at2['triton'] * 1e6:.0f} us, flashinfer "
+              f"{at2['flashinfer'] * 1e6:.0f} us (default {e.pool.layout}: triton {at['triton'] * 1e6:.0f} us, "
+              f"flashinfer {at['flashinfer'] * 1e6:.0f} us)", flush=True)
+        del e2
+        gc.collect()
+        torch.cuda.empty_cache()
     t64 = decode_step_time(e, batch, ctx2, steps)
     need = (weight_bytes(big) + batch * kv_bytes(big, ctx2, dtype)) / ceil["copy_bw"]
     rows.append((f"{bn} batch-{batch} decode, {ctx2} ctx: step ms (roofline ms)", t64 * 1e3, need * 1e3, need / t64,

@@ -42,6 +42,12 @@ class KVLayout(msgspec.Struct, frozen=True):
     kv_heads: int
     head_dim: int
     dtype: str
+    order: str = "NHD"  # the pool's layout within a page (kvstore/pool.py)
+
+    @classmethod
+    def of(cls, pool) -> "KVLayout":
+        return cls(pool.num_layers, pool.page_size, pool.kv_heads, pool.head_dim,
+                   str(pool.dtype).removeprefix("torch."), pool.layout)
 
 
 class WorkerInfo(msgspec.Struct):

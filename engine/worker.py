@@ -106,7 +106,7 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.args.role, host=self.args.host, ctrl_addr=self.ctrl_addr,
             model=self.args.served_model_name or "default",
-            layout=KVLayout(p.num_layers, p.page_size, p.kv_heads, p.head_dim, str(p.dtype).removeprefix("torch.")),
+            layout=KVLayout.of(p),
             max_total_tokens=p.max_total_num_tokens, max_model_len=e.max_model_len,
             transfer=dict(self.endpoints), load=load, pid=os.getpid(),
             started_at=self.started_at)

@@ -1,7 +1,9 @@
 """The KV pool: one device tensor holding every layer's K and V, cut into pages.
 
-Layout [layers, pages, 2 (k, v), page_size, kv_heads, head_dim]. One page of one layer is contiguous (K then
-V), and the whole pool is one allocation, so it can be registered once with a transfer engine, and a request's
+Layout [layers, pages, 2 (k, v), page_size, kv_heads, head_dim] ("NHD": a token's heads side by side) or
+[layers, pages, 2, kv_heads, page_size, head_dim] ("HND": each head's tokens of a page side by side, so a
+decode kernel reads one contiguous run per page and head). One page of one layer is contiguous (K then
+V) either way, and the whole pool is one allocation, so it can be registered once with a transfer engine, and a request's
 pages move as a list of page ids. Page 0 is never handed out: it pads page tables, and it stays zero so a
 backend that reads past a sequence's end reads zeros, never NaN.
 """
@@ -29,7 +31,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layout: str = "NHD",
     ):
+        if layout not in ("NHD", "HND"):
+            raise ValueError(f"KV layout must be NHD or HND, got {layout!r}")
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is reserved), got {num_pages}")
         self.num_pages = num_pages
@@ -39,9 +44,9 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.data = torch.zeros(
-            (num_layers, num_pages, 2, page_size, kv_heads, head_dim), dtype=dtype, device=self.device
-        )
+        self.layout = layout
+        inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
+        self.data = torch.zeros((num_layers, num_pages, 2, *inner, head_dim), dtype=dtype, device=self.device)
 
     @property
     def usable_pages(self) -> int:
@@ -57,17 +62,27 @@ class KVPool:
         return self.data[:, 0].numel() * self.data.element_size()
 
     def layer(self, layer_id: int) -> torch.Tensor:
+        """One layer in the pool's own layout: [pages, 2, page_size, heads, D] (NHD) or [pages, 2, heads,
+        page_size, D] (HND)."""
         return self.data[layer_id]
 
+    def tokens_view(self, layer_id: int) -> torch.Tensor:
+        """One layer as [pages, 2, page_size, heads, D] whatever the layout (a strided view for HND): kernels
+        take their strides from it."""
+        lay = self.data[layer_id]
+        return lay if self.layout == "NHD" else lay.transpose(2, 3)
+
     def rows(self, layer_id: int) -> torch.Tensor:
-        """One layer as [pages * 2 * page_size, kv_heads, head_dim]: row (page*2 + kv)*page_size + slot.
+        """NHD only: one layer as [pages * 2 * page_size, kv_heads, head_dim]: row (page*2 + kv)*page_size + slot.
 
         Indexing rows of this view is a plain gather; indexing (page, :, slot) of the 5-d layer instead
         makes torch move the whole layer, since the two indexed dims are not adjacent."""
         return self.data[layer_id].view(-1, self.kv_heads, self.head_dim)
 
-    def kv_rows(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Row indices [..., 2] of the K and V of the tokens at (pages, offsets) in `rows()`."""
+    def slot_index(self, pages: torch.Tensor, offsets: torch.Tensor):
+        """Where the tokens at (pages, offsets) (any matching shapes) live, for write() and read()."""
+        if self.layout == "HND":
+            return pages, offsets
         k = pages * (2 * self.page_size) + offsets
         return torch.stack([k, k + self.page_size], dim=-1)
 
@@ -75,14 +90,28 @@ class KVPool:
     def is_fp8(self) -> bool:
         return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
-    def write(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store new tokens' K and V ([N, kv_heads, head_dim]) at `rows` ([N, 2], from kv_rows)."""
-        kv = torch.stack([k, v], dim=1).view(-1, self.kv_heads, self.head_dim)
+    def write(self, layer_id: int, index, k: torch.Tensor, v: torch.Tensor):
+        """Store new tokens' K and V ([N, kv_heads, head_dim]) at `index` (slot_index of N tokens)."""
+        kv = torch.stack([k, v], dim=1)
         if self.is_fp8:
             # Saturate: the cast itself turns values beyond the format's range into NaN. Scale is 1.0.
             limit = torch.finfo(self.dtype).max
             kv = kv.clamp(-limit, limit)
-        self.rows(layer_id)[rows.view(-1)] = kv.to(self.dtype)
+        kv = kv.to(self.dtype)
+        if self.layout == "HND":
+            pages, offsets = index
+            self.tokens_view(layer_id)[pages, :, offsets] = kv
+        else:
+            self.rows(layer_id)[index.view(-1)] = kv.view(-1, self.kv_heads, self.head_dim)
+
+    def read(self, layer_id: int, index) -> torch.Tensor:
+        """K and V of the tokens at `index` (slot_index over a shape S): [*S, 2, kv_heads, head_dim]."""
+        if self.layout == "HND":
+            pages, offsets = index
+            return self.tokens_view(layer_id)[pages, :, offsets]
+        rows = self.rows(layer_id)
+        # index_select on flat indices is the fast gather on CPU; advanced indexing is several times slower.
+        return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, page_size: int, bytes_per_token: int) -> int:

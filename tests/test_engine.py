@@ -295,3 +295,14 @@ def test_pages_let_go_during_a_step_in_flight_are_held_until_it_completes(tiny_l
     assert a.finish_reason == "abort" and a.pending == 0
     assert engine.allocator.num_free == free0
     assert_pool_clean(engine)
+
+
+def test_both_kv_page_layouts_give_the_same_tokens(tiny_llama):
+    path, _ = tiny_llama
+    outs = {}
+    for layout in ("NHD", "HND"):
+        llm = LLM(path, max_total_tokens=4096, kv_layout=layout)
+        assert llm.engine.pool.layout == layout
+        outs[layout] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts(4)], GREEDY)]
+        assert_pool_clean(llm.engine)
+    assert outs["NHD"] == outs["HND"]

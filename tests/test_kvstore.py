@@ -83,12 +83,20 @@ def test_radix_evicts_least_recently_used_unshared_pages_only():
     assert cache.num_pages == 0
 
 
-def test_pool_layout_writes_tokens_into_their_page_slots():
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_pool_layout_writes_tokens_into_their_page_slots(layout):
     pool = KVPool(num_pages=4, page_size=PS, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32,
-                  device="cpu")
+                  device="cpu", layout=layout)
     assert pool.max_total_num_tokens == 3 * PS
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    pool.write(1, pool.kv_rows(torch.tensor([2, 2, 3]), torch.tensor([0, 3, 1])), k, v)
+    index = pool.slot_index(torch.tensor([2, 2, 3]), torch.tensor([0, 3, 1]))
+    pool.write(1, index, k, v)
     layer = pool.layer(1)
-    assert torch.equal(layer[2, 0, 3], k[1]) and torch.equal(layer[3, 1, 1], v[2])
+    if layout == "NHD":  # [page, kv, slot, head, dim]
+        assert torch.equal(layer[2, 0, 3], k[1]) and torch.equal(layer[3, 1, 1], v[2])
+    else:  # [page, kv, head, slot, dim]: head 1 of token 1 at (page 2, slot 3)
+        assert torch.equal(layer[2, 0, 1, 3], k[1, 1]) and torch.equal(layer[3, 1, :, 1], v[2])
+    assert torch.equal(pool.read(1, index), torch.stack([k, v], dim=1))
     assert pool.layer(0).abs().sum() == 0 and layer[0].abs().sum() == 0  # the padding page stays zero
+    # One page of one layer is one contiguous block in both layouts (transfers move pages as blocks).
+    assert pool.layer(1)[2].is_contiguous() and pool.layer(1)[2].numel() == 2 * PS * 2 * 8

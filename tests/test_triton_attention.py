@@ -41,7 +41,7 @@ def batch(pool: KVPool, prefix_lens: list[int], extend_lens: list[int], gen: tor
                            torch.tensor(out_pages), torch.tensor(out_offsets), max(seq), max(extend_lens))
 
 
-def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0):
+def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0, layout="NHD"):
     """The same step through both backends: (attention output, pool after the step) for each."""
     g = torch.Generator().manual_seed(seed)
     n = sum(extend_lens)
@@ -50,7 +50,7 @@ def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0):
     v = torch.randn(n, cfg.num_key_value_heads, cfg.head_dim, generator=g).to(dtype)
     outs = {}
     for name in ("torch", "triton"):
-        pool = KVPool(96, PAGE, 1, cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu")
+        pool = KVPool(96, PAGE, 1, cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu", layout)
         init = torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(seed + 1))
         pool.data[:, 1:] = init[:, 1:].to(dtype)  # page 0 stays zero
         x = batch(pool, prefix_lens, extend_lens, torch.Generator().manual_seed(seed + 2))
@@ -63,19 +63,21 @@ def close(a, b, tol):
     return ((a - b).abs().max() / b.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-def test_decode_matches_reference(cfg):
+def test_decode_matches_reference(cfg, layout):
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
-    outs = run(cfg, prefix, [1] * len(prefix))
+    outs = run(cfg, prefix, [1] * len(prefix), layout=layout)
     assert close(outs["triton"][0], outs["torch"][0], 1e-4)
     assert torch.equal(outs["triton"][1], outs["torch"][1]), "both store the new K/V identically"
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(window=24)], ids=["gqa4", "window"])
-def test_prefill_over_cached_prefix_matches_reference(cfg):
-    outs = run(cfg, [0, 37, 16, 70], [40, 9, 1, 66])
+def test_prefill_over_cached_prefix_matches_reference(cfg, layout):
+    outs = run(cfg, [0, 37, 16, 70], [40, 9, 1, 66], layout=layout)
     assert close(outs["triton"][0], outs["torch"][0], 1e-4)
 
 
@@ -121,9 +123,10 @@ def test_page_copy_kernel_moves_whole_pages_across_pools():
 
 # FP8 pools are left to the GPU benchmark: the interpreter's FP8 cast rounds values just below a power of two
 # to half of it (-7.97 -> -4), which the hardware does not.
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
                          ids=["fp32", "bf16"])
-def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype):
+def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout):
     from engine.model import Rotary
 
     cfg = config(heads=8, kv_heads=2, head_dim=64)
@@ -137,7 +140,7 @@ def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype):
     cos_sin = Rotary(cfg).lookup(positions, dtype)
     outs = {}
     for fused in (False, True):
-        pool = KVPool(8, PAGE, 1, 2, 64, kv_dtype, "cpu")
+        pool = KVPool(8, PAGE, 1, 2, 64, kv_dtype, "cpu", layout)
         x = batch(pool, [5, 0, 30], [3, 5, 1], torch.Generator().manual_seed(4))
         step = create_backend("torch", pool, cfg).plan(x)
         step.fused = fused

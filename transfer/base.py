@@ -47,8 +47,7 @@ class TransferEngine(ABC):
         self.worker_id = worker_id
         self.host = host
         self.stats = TransferStats()
-        p = pool
-        self.layout = KVLayout(p.num_layers, p.page_size, p.kv_heads, p.head_dim, str(p.dtype).removeprefix("torch."))
+        self.layout = KVLayout.of(pool)
 
     @abstractmethod
     def endpoint(self) -> bytes:

@@ -36,6 +36,7 @@ class _Endpoint(msgspec.Struct):
     handle: list  # torch's description of the shared storage (device, handle, size, offset, refcount, event)
     shape: list[int]
     dtype: str
+    order: str = "NHD"
 
 
 def same_machine(a: bytes, b: bytes) -> bool:
@@ -66,7 +67,7 @@ class CudaIpcTransfer(TransferEngine):
         data = self.pool.data
         handle = list(data.untyped_storage()._share_cuda_())
         return msgspec.msgpack.encode(_Endpoint(machine_id(), self.addr, handle, list(data.shape),
-                                                str(data.dtype).removeprefix("torch.")))
+                                                str(data.dtype).removeprefix("torch."), self.pool.layout))
 
     def sockets(self):
         return [self.rx]
@@ -76,7 +77,7 @@ class CudaIpcTransfer(TransferEngine):
             ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
             if ep.machine != machine_id():
                 raise ValueError(f"peer {peer_id} is on another machine")
-            if ep.dtype != self.layout.dtype or ep.shape[0] != self.pool.num_layers or \
+            if ep.dtype != self.layout.dtype or ep.order != self.pool.layout or ep.shape[0] != self.pool.num_layers or \
                     tuple(ep.shape[2:]) != tuple(self.pool.data.shape[2:]):
                 raise ValueError(f"peer {peer_id} has a different KV layout")
             storage = torch.UntypedStorage._new_shared_cuda(*ep.handle)

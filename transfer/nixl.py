@@ -48,6 +48,7 @@ class _Endpoint(msgspec.Struct):
     block_bytes: int  # one page of one layer
     mem: str
     device_id: int
+    order: str = "NHD"
 
 
 class NixlTransfer(TransferEngine):
@@ -82,12 +83,13 @@ class NixlTransfer(TransferEngine):
     def endpoint(self) -> bytes:
         p = self.pool
         return msgspec.msgpack.encode(_Endpoint(self.agent.get_agent_metadata(), p.data.data_ptr(), p.num_layers,
-                                                p.num_pages, self.block_bytes, self.mem, self.device_id))
+                                                p.num_pages, self.block_bytes, self.mem, self.device_id, p.layout))
 
     def _remote(self, peer_id: str, endpoint: bytes):
         if peer_id not in self.remotes:
             ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
-            if ep.block_bytes != self.block_bytes or ep.num_layers != self.pool.num_layers:
+            if ep.block_bytes != self.block_bytes or ep.num_layers != self.pool.num_layers or \
+                    ep.order != self.pool.layout:
                 raise ValueError(f"peer {peer_id} has a different KV layout")
             name = self.agent.add_remote_agent(ep.agent_meta)
             if isinstance(name, bytes):

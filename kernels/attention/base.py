@@ -52,8 +52,8 @@ class AttentionInputs:
 
 
 class AttentionStep(ABC):
-    """Set by each backend's step: `pool`, `x` (the AttentionInputs), `write_rows` (pool.kv_rows of the new
-    tokens). `fused` None: rope + store in one kernel on a GPU; True/False force it (tests)."""
+    """Set by each backend's step: `pool`, `x` (the AttentionInputs), `write_index` (pool.slot_index of the
+    new tokens). `fused` None: rope + store in one kernel on a GPU; True/False force it (tests)."""
 
     fused: bool | None = None
 
@@ -63,7 +63,7 @@ class AttentionStep(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; stores k/v into the pool first."""
-        self.pool.write(layer_id, self.write_rows, k, v)
+        self.pool.write(layer_id, self.write_index, k, v)
         return self.attend(q, layer_id)
 
     def forward_rope(self, qk: torch.Tensor, v: torch.Tensor, cos_sin, num_q_heads: int,
@@ -72,7 +72,7 @@ class AttentionStep(ABC):
         from kernels.rope import apply_rope_ref, rope_store, use_fused
 
         if use_fused(qk, self.fused):
-            q = rope_store(qk, v, cos_sin, self.pool.layer(layer_id), self.x.out_pages, self.x.out_offsets,
+            q = rope_store(qk, v, cos_sin, self.pool.tokens_view(layer_id), self.x.out_pages, self.x.out_offsets,
                            num_q_heads)
             return self.attend(q, layer_id)
         q, k = apply_rope_ref(cos_sin, qk).split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)

@@ -1,5 +1,6 @@
-"""FlashInfer's paged attention (GPU only). Our pool's per-layer layout, [pages, 2, page_size, kv_heads,
-head_dim], is FlashInfer's single-tensor NHD layout, so pages are used in place. Decode-only steps use the
+"""FlashInfer's paged attention (GPU only). Our pool's per-layer layouts, [pages, 2, page_size, kv_heads,
+head_dim] and [pages, 2, kv_heads, page_size, head_dim], are FlashInfer's single-tensor NHD and HND layouts,
+so pages are used in place. Decode-only steps use the
 decode wrapper; steps with prefill chunks (mixed with decodes or not) the prefill wrapper, whose causal mask
 is aligned to the end of each request's KV, as ours is."""
 
@@ -18,8 +19,8 @@ class FlashInferBackend(AttentionBackend):
         import flashinfer
 
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, pool.layout)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, pool.layout)
 
     def plan(self, x: AttentionInputs) -> AttentionStep:
         c = self.config
@@ -41,7 +42,7 @@ class _FlashInferStep(AttentionStep):
         self.pool = pool
         self.wrapper = wrapper
         self.x = x
-        self.write_rows = pool.kv_rows(x.out_pages, x.out_offsets)
+        self.write_index = pool.slot_index(x.out_pages, x.out_offsets)
 
     def attend(self, q, layer_id):
         return self.wrapper.run(q, self.pool.layer(layer_id))

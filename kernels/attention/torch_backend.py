@@ -31,9 +31,10 @@ class _TorchStep(AttentionStep):
         table = torch.zeros(bsz, max_pages, dtype=torch.long, device=dev)
         table[torch.arange(max_pages, device=dev)[None, :] < n_pages[:, None]] = x.kv_indices.long()
         j = torch.arange(kv_len, device=dev)
-        # Pool rows of every padded KV position ([B, L, 2]); padding points at the reserved zero page.
-        self.gather_rows = pool.kv_rows(table.gather(1, (j // ps)[None, :].expand(bsz, -1)), (j % ps)[None, :])
-        self.write_rows = pool.kv_rows(x.out_pages, x.out_offsets)
+        # Where every padded KV position ([B, L]) lives; padding points at the reserved zero page.
+        self.gather_index = pool.slot_index(table.gather(1, (j // ps)[None, :].expand(bsz, -1)),
+                                            (j % ps)[None, :].expand(bsz, -1))
+        self.write_index = pool.slot_index(x.out_pages, x.out_offsets)
 
         i = torch.arange(q_len, device=dev)
         q_pos = x.prefix_lens.long()[:, None] + i[None, :]  # [B, Qmax] absolute position of each query
@@ -53,9 +54,7 @@ class _TorchStep(AttentionStep):
 
     def attend(self, q, layer_id):
         x = self.x
-        rows = self.pool.rows(layer_id)
-        # index_select on flat indices is the fast gather on CPU; advanced indexing is several times slower.
-        kv = rows.index_select(0, self.gather_rows.view(-1)).view(*self.gather_rows.shape, *rows.shape[1:])
+        kv = self.pool.read(layer_id, self.gather_index)  # [B, L, 2, Hkv, D]
         keys, values = kv.to(q.dtype).unbind(2)  # [B, L, Hkv, D]
         bsz, q_len = x.batch_size, x.max_extend_len
         heads, dim = q.shape[1], q.shape[2]

@@ -177,7 +177,7 @@ class _TritonStep(AttentionStep):
         self.scale = c.head_dim ** -0.5
         self.window = c.sliding_window or 0
         self.group = c.num_attention_heads // c.num_key_value_heads
-        self.write_rows = self.pool.kv_rows(x.out_pages, x.out_offsets)
+        self.write_index = self.pool.slot_index(x.out_pages, x.out_offsets)
         # Splits: enough programs (batch x kv heads x splits) to fill the GPU several times over, and splits of
         # at most max_chunk tokens for long contexts; never more than there are BLOCK_N tiles to share.
         programs = x.batch_size * c.num_key_value_heads
@@ -186,7 +186,7 @@ class _TritonStep(AttentionStep):
 
     def attend(self, q, layer_id):
         x = self.x
-        kv = self.pool.layer(layer_id)  # [P, 2, page, Hkv, D]
+        kv = self.pool.tokens_view(layer_id)  # [P, 2, page, Hkv, D], strided for HND
         heads, dim = q.shape[1], q.shape[2]
         block_d = triton.next_power_of_2(dim)
         # float32 pools keep float32 products (no tf32); bf16/fp16 use the tensor cores as they are.
