@@ -70,7 +70,7 @@ def build(cfg: dict, device, dtype) -> CausalLM:
 
 
 def engine_for(model, backend: str, tokens: int | None, device, dtype, chunk=8192, graphs=True,
-               kv="auto", mem_fraction=None, quantization=None, layout="auto") -> Engine:
+               kv="auto", mem_fraction=None, quantization=None, layout="NHD") -> Engine:
     args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                       max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
                       disable_radix_cache=True, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
@@ -205,10 +205,10 @@ def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
         if name != "lm_head":
             q, scale = quantize_per_channel(w)
             t8 = in_graph(lambda: fp8_weight_matmul(x, q, scale))
-            from kernels.fp8_linear import _fp8_gemv_tuned
+            from kernels.gemv import _gemv_tuned
 
             line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
-                     f"({_fp8_gemv_tuned.best_config})")
+                     f"({_gemv_tuned.best_config})")
             del q
         print(line, flush=True)
 

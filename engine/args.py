@@ -36,10 +36,11 @@ class EngineArgs:
     # "auto" (the model dtype), "fp8_e4m3" / "fp8_e5m2" (one byte per value, scale 1.0: twice the tokens of
     # bf16 in the same memory), or a torch dtype name for the KV pool.
     kv_cache_dtype: str = "auto"
-    # Layout of a KV page: "HND" (each head's tokens contiguous: long runs for decode kernels), "NHD" (each
-    # token's heads contiguous), or "auto": HND on CUDA, NHD elsewhere (the CPU reference gathers NHD rows
-    # fastest). Prefill and decode workers must agree; the coordinator only pairs workers that do.
-    kv_layout: str = "auto"
+    # Layout of a KV page: "NHD" (each token's heads side by side) or "HND" (each head's tokens side by side,
+    # FlashInfer's other layout). NHD is the default: on an H200 both the triton and the flashinfer decode
+    # kernels read it faster (docs/benchmarks.md). Prefill and decode workers must agree; the coordinator
+    # only pairs workers that do.
+    kv_layout: str = "NHD"
     # "fp8": quantize the decoder's weights to FP8 on load (per output channel; activations per token).
     # Refused for checkpoints that are quantized already.
     quantization: str | None = None
@@ -77,8 +78,8 @@ class EngineArgs:
             raise ValueError("tensor parallelism needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
-        if self.kv_layout not in ("auto", "NHD", "HND"):
-            raise ValueError(f"kv_layout must be auto, NHD or HND, got {self.kv_layout!r}")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be NHD or HND, got {self.kv_layout!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -113,12 +114,6 @@ class EngineArgs:
         if not isinstance(dt, torch.dtype):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
         return dt
-
-    @property
-    def kv_page_layout(self) -> str:
-        if self.kv_layout == "auto":
-            return "HND" if self.on_cuda else "NHD"
-        return self.kv_layout
 
     @property
     def overlap(self) -> bool:
@@ -157,7 +152,7 @@ class EngineArgs:
         p.add_argument("--max-running-requests", type=int, default=None)
         p.add_argument("--attention-backend", default=None)
         p.add_argument("--kv-cache-dtype", default="auto")
-        p.add_argument("--kv-layout", default="auto", choices=["auto", "NHD", "HND"])
+        p.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
         p.add_argument("--disable-radix-cache", action="store_true")
         p.add_argument("--quantization", default=None, choices=["fp8"])
         p.add_argument("--random-seed", type=int, default=None)

@@ -118,7 +118,7 @@ class Engine:
                 raise RuntimeError(f"no memory left for the KV pool (budget {budget} bytes); raise "
                                    f"--mem-fraction-static or set --max-total-tokens")
         pool = KVPool(num_pages, a.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                      a.kv_dtype, self.device, a.kv_page_layout)
+                      a.kv_dtype, self.device, a.kv_layout)
         logger.info("KV pool: %d pages of %d tokens, max_total_num_tokens=%d, %.1f MiB",
                     num_pages, a.page_size, pool.max_total_num_tokens, pool.data.numel() * pool.data.element_size()
                     / 2**20)

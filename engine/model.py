@@ -18,6 +18,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.parallel import TensorParallel
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
+from kernels.gemv import available as gemv_available
+from kernels.gemv import gemv
 from kernels.rope import apply_rope_ref
 
 
@@ -86,6 +88,16 @@ class Rotary(nn.Module):
         return apply_rope_ref(cos_sin, x)  # x: [N, heads, D]
 
 
+class NarrowLinear(nn.Linear):
+    """A projection narrower than its input (o_proj, down_proj). At one token cuBLAS splits K for it and adds a
+    reduction kernel; the Triton GEMV does it in one launch, which counts inside a decode graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and gemv_available(x) and self.bias is None and x.dtype == self.weight.dtype:
+            return gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
@@ -94,7 +106,7 @@ class Attention(nn.Module):
         self.tp = tp
         c = config
         self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.o_proj = NarrowLinear(c.q_size, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -119,7 +131,7 @@ class MLP(nn.Module):
         self.tp = tp
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = NarrowLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))

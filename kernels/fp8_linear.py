@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import autotune_in_graph, gemv
+
 try:
     import triton
     import triton.language as tl
-    import triton.testing
 except ImportError:  # CPU installs without triton
     triton = None
 
@@ -66,16 +67,16 @@ def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     n = w.shape[0]
     if m > SMALL_M or w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"fp8_weight_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}")
+    if m == 1:  # one token: a plain multiply-and-reduce (no tensor-core padding of one row to sixteen)
+        return gemv(x, w, scale, bias)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, w, scale, bias if bias is not None else scale, out, m, n, k, w.stride(0))
-    # One token: a plain multiply-and-reduce (no tensor-core padding of one row to sixteen).
-    tuned, plain = (_fp8_gemv_tuned, _fp8_gemv_kernel) if m == 1 else (_fp8_weight_tuned, _fp8_weight_kernel)
     if x.is_cuda:
-        tuned[grid](*args, HAS_BIAS=bias is not None)
+        _fp8_weight_tuned[grid](*args, HAS_BIAS=bias is not None)
     else:  # the interpreter (tests): one small configuration, no timing runs
-        plain[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=64)
+        _fp8_weight_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=64)
     return out
 
 
@@ -104,40 +105,8 @@ if triton is not None:
         tl.store(OUT + rm[:, None] * N + rn[None, :], acc.to(OUT.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    def _bench(fn, quantiles=None, **_):
-        # Time candidates inside a CUDA graph: these kernels take microseconds, less than a launch from Python,
-        # and timing plain launches would rank the launch overhead instead of the kernels.
-        return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
+    _fp8_weight_tuned = autotune_in_graph(_CONFIGS, _fp8_weight_kernel)
 
-    def _autotune(configs, kernel):
-        return triton.autotune(configs=configs, key=["N", "K"], do_bench=_bench)(kernel)
-
-    _fp8_weight_tuned = _autotune(_CONFIGS, _fp8_weight_kernel)
-
-    @triton.jit
-    def _fp8_gemv_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_wn, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-            w = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1) * tl.load(SCALE + rn, mask=rn < N, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
-
-    # Few rows and long K slices per program, few warps: many small programs in flight per SM hide the memory
-    # latency that a long K loop in few programs would expose (its loads are not software-pipelined).
-    _GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                     for bn, bk, w, s in [(2, 2048, 2, 2), (4, 1024, 2, 2), (8, 1024, 4, 2), (8, 512, 2, 3),
-                                          (16, 512, 4, 3)]]
-    _fp8_gemv_tuned = _autotune(_GEMV_CONFIGS, _fp8_gemv_kernel)
 
 
 def quantize_model(model: nn.Module) -> int:

@@ -173,3 +173,16 @@ def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype):
     assert close(got, ref, 1e-2)
     # The quantization itself keeps the product within FP8's rounding of the original weights.
     assert close(got, x.float() @ w.t() + (b.float() if bias else 0), 8e-2)
+
+
+@pytest.mark.parametrize("dtype, scaled", [(torch.float16, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_gemv_matches_a_matmul(dtype, scaled):
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(70, 300, generator=g) * 0.05).to(dtype)  # N and K not multiples of the blocks
+    x = torch.randn(1, 300, generator=g).to(dtype)
+    scale = torch.rand(70, generator=g) + 0.5 if scaled else None
+    ref = x.float() @ w.float().t() * (scale if scaled else 1.0)
+    got = gemv(x, w, scale).float()
+    assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
