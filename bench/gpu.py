@@ -1,11 +1,13 @@
 """GPU benchmark suite: one command, one table of figures against ceilings measured in the same run.
 
-    python -m bench.gpu                 # on a GPU: the whole suite (about five minutes on an H200)
-    python -m bench.gpu --smoke         # tiny shapes, any device: checks that the suite runs
+    python -m bench.gpu                      # on a GPU: the engine rows (about three minutes on an H200)
+    python -m bench.gpu --pd-tokenizer DIR   # and the service rows: 1P1D vs colocated `pdserve up` (bench/pd.py)
+    python -m bench.gpu --smoke              # tiny shapes, any device: checks that the suite runs
 
 Models are random-weight builds of real shapes (bench/configs/). Ceilings: device copy bandwidth (bytes read
 + written per second) and the bf16 matmul rate, both measured here first. Each row prints the figure, its
-ceiling or peer, the ratio and the target; rows whose feature does not exist yet say so.
+ceiling or peer, the ratio and the target. Diagnostics print before the table: matmuls timed inside CUDA
+graphs, a profile of eager decode steps, the page-copy sweep of the cuda_ipc row.
 """
 
 from __future__ import annotations
