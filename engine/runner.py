@@ -33,6 +33,9 @@ class ModelRunner:
             r, s, e = c.req, c.start, c.start + c.length
             ids.extend(r.tokens[s:e])
             if e > len(r.tokens):
+                if e - len(r.tokens) > 1 or r.pending != 1:
+                    raise RuntimeError(f"request {r.rid}: {e - len(r.tokens)} tokens asked beyond the known ones, "
+                                       f"{r.pending} pending")
                 fill_at.append(len(ids))
                 fill_from.append(r.pending_row)
                 ids.append(0)
