@@ -309,8 +309,9 @@ class Engine:
         return done
 
     def _append(self, req: Request, tok: int) -> None:
-        if req.num_output == 0 and req.kv_len == req.prompt_len:
-            # The prompt's pages are complete: cache them for requests that share the prefix.
+        if req.num_output == 0 and req.kv_len >= req.prompt_len:
+            # The prompt's pages are complete: cache them for requests that share the prefix. (With overlapped
+            # steps the next step, already launched, has moved kv_len one past the prompt.)
             self.scheduler.cache_pages(req)
         req.tokens.append(tok)
         # The sampler never draws a stop id before min_tokens, so seeing one here always ends the request.

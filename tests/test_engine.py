@@ -306,3 +306,19 @@ def test_both_kv_page_layouts_give_the_same_tokens(tiny_llama):
         outs[layout] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts(4)], GREEDY)]
         assert_pool_clean(llm.engine)
     assert outs["NHD"] == outs["HND"]
+
+
+def test_a_prompt_is_shared_from_the_cache_as_soon_as_its_first_token_is_out(tiny_llama):
+    path, _ = tiny_llama
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8)
+    prefix = [(i * 31) % 400 + 7 for i in range(64)]
+    first = engine.add_request(prefix + [5], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while first.num_output < 2:
+        engine.step()
+    assert not first.finished
+    # The first request is still decoding: its prompt pages are in the cache already.
+    second = engine.add_request(prefix + [9], GREEDY)
+    engine.step()
+    assert second.cached_tokens == 64
+    drain(engine)
+    assert_pool_clean(engine)
