@@ -318,6 +318,26 @@ def cuda_ipc_row(tokens: int = 4096) -> tuple[float, float, bool]:
     b = torch.empty_like(a)
     copy = timed(lambda: b.copy_(a), 20)
     t.close()
+    # Where the host time of a send goes (each phase as send() does it, median of 5).
+    phases = {"pinned buffer + fill": [], "async copy of the lists": [], "page-copy launch": [], "event": []}
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        host = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
+        host.numpy()[:n] = src
+        host.numpy()[n:] = dst
+        t1 = time.perf_counter()
+        lists = host.to("cuda", non_blocking=True)
+        t2 = time.perf_counter()
+        pc.copy_pages(pool.data, remote, lists[:n], lists[n:])
+        t3 = time.perf_counter()
+        torch.cuda.Event().record()
+        t4 = time.perf_counter()
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[k].append(v)
+        sync()
+    print("  cuda_ipc send, host us per phase: " +
+          ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in phases.items()), flush=True)
     print(f"  cuda_ipc: best chunk {best[1]} warps {best[2]}, kernel alone {best[0] * 1e3:.3f} ms; send() "
           f"host wall ms {[round(x * 1e3, 3) for x in times]}, device ms {[round(x * 1e3, 3) for x in device_times]}",
           flush=True)
