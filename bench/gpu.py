@@ -228,6 +228,9 @@ def profile_step(engine: Engine, batch: int, ctx: int) -> None:
         for _ in range(3):
             engine.step()
         sync()
+    kernels = sum(e.count for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+                  and "CUDA" in str(e.device_type))
+    print(f"  device ops per eager step (incl. copies): {kernels / 3:.0f}", flush=True)
     for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
             print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
@@ -566,8 +569,21 @@ def main() -> None:
         print(rows[-1], flush=True)
         return t
 
+    if device.type == "cuda":
+        # The same step with every kernel launched the ordinary way: what PDL is worth (kernels/pdl.py).
+        os.environ["PDSERVE_PDL"] = "0"
+        e = engine_for(big, fast, 8192, device, dtype)
+        t_nopdl = decode_step_time(e, 1, ctx1, steps)
+        del e
+        os.environ.pop("PDSERVE_PDL")
+        gc.collect()
+        torch.cuda.empty_cache()
     e = engine_for(big, fast, batch * (ctx2 + 64) + 4096, device, dtype)
     t_bf16 = batch1_row(e, big, bn, ">= 0.85")
+    if device.type == "cuda":
+        rows.append((f"{bn} batch-1 decode, {ctx1} ctx: step ms without PDL (with PDL)", t_nopdl * 1e3,
+                     t_bf16 * 1e3, t_nopdl / t_bf16, "(for comparison)"))
+        print(rows[-1], flush=True)
     if args.smoke:  # the timing path itself, on whatever backend there is
         print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:

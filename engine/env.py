@@ -15,3 +15,8 @@ class Env:
     def api_keys() -> list[str]:
         """Accepted API keys, comma-separated (PDSERVE_API_KEYS); empty means no authentication."""
         return [k for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k]
+
+    @staticmethod
+    def pdl() -> bool:
+        """Launch the decode kernels with programmatic dependent launch on Hopper+ (PDSERVE_PDL, default 1)."""
+        return os.environ.get("PDSERVE_PDL", "1") != "0"

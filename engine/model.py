@@ -88,13 +88,17 @@ class Rotary(nn.Module):
         return apply_rope_ref(cos_sin, x)  # x: [N, heads, D]
 
 
-class NarrowLinear(nn.Linear):
-    """A projection narrower than its input (o_proj, down_proj). At one token cuBLAS splits K for it and adds a
-    reduction kernel; the Triton GEMV does it in one launch, which counts inside a decode graph."""
+class Linear(nn.Linear):
+    """A projection that takes the one-token Triton GEMV on a GPU (kernels/gemv.py). At batch 1 a decode step
+    is a chain of a few hundred dependent kernels; the GEMV starts streaming its weights before the previous
+    kernel has finished (PDL), which cuBLAS cannot do inside our graph, and never splits K into a second
+    reduction kernel. `act="silu_mul"` applies SiLU-and-mul to the input first, fused into the GEMV."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and gemv_available(x) and self.bias is None and x.dtype == self.weight.dtype:
-            return gemv(x, self.weight)
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
+            return gemv(x, self.weight, bias=self.bias, act=act)
+        if act == "silu_mul":
+            x = silu_and_mul(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -105,8 +109,8 @@ class Attention(nn.Module):
         self.config = config  # this rank's share of the heads
         self.tp = tp
         c = config
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
-        self.o_proj = NarrowLinear(c.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(c.q_size, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -130,11 +134,11 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = NarrowLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x), act="silu_mul"))
 
 
 class DecoderLayer(nn.Module):

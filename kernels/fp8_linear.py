@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import silu_and_mul
 from kernels.gemv import autotune_in_graph, gemv
 
 try:
@@ -43,7 +44,12 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.out_features, self.in_features = linear.weight.shape
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """act="silu_mul": SiLU-and-mul on x first (fused into the one-token kernel)."""
+        if x.shape[0] == 1 and x.is_cuda and triton is not None:
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
+        if act == "silu_mul":
+            x = silu_and_mul(x)
         if not x.is_cuda:
             w = self.weight_t.t().to(x.dtype) * self.scale.t().to(x.dtype)
             return F.linear(x, w, self.bias)

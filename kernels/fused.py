@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
     triton = None
 
@@ -40,9 +44,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         out = torch.empty_like(x)
         res_out = torch.empty_like(x) if residual is not None else x
         n = x.shape[-1]
+        on = pdl.enabled(x)
         _add_rmsnorm_kernel[(x.shape[0],)](
             x, residual if residual is not None else x, res_out, weight, out, n, eps,
-            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=on, launch_pdl=on,
+            num_warps=4 if n <= 4096 else 8)
         return out, res_out
     if residual is not None:
         x = x + residual
@@ -55,7 +61,9 @@ def silu_and_mul(x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     if _use_triton(x, fused) and x.is_contiguous() and x.dim() == 2:
         out = torch.empty(x.shape[0], d, dtype=x.dtype, device=x.device)
         block = 1024
-        _silu_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, d, BLOCK=block, num_warps=4)
+        on = pdl.enabled(x)
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, d, BLOCK=block, PDL=on, launch_pdl=on,
+                                                               num_warps=4)
         return out
     gate, up = x.split(d, dim=-1)
     return F.silu(gate) * up
@@ -63,10 +71,15 @@ def silu_and_mul(x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, R_OUT, W, OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, R, R_OUT, W, OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
+        w = tl.load(W + cols, mask=mask, other=0.0)  # a weight: safe to read before the wait
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         x = tl.load(X + row * N + cols, mask=mask, other=0.0)
         if HAS_RES:
             # The residual stream keeps the activation dtype, as an unfused add would.
@@ -75,12 +88,14 @@ if triton is not None:
             tl.store(R_OUT + row * N + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0)
         y = w * (xf * rstd).to(OUT.dtype.element_ty)
         tl.store(OUT + row * N + cols, y, mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(X, OUT, D, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, OUT, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D

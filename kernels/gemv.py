@@ -1,22 +1,33 @@
-"""One token times a weight matrix, in one kernel: y = (W x) * scale + bias for W [N, K] in bf16/fp16 or FP8.
+"""One token times a weight matrix, in one kernel: y = (W act(x)) * scale + bias for W [N, K] in bf16/fp16 or FP8.
 
-cuBLAS is excellent for wide outputs, but for projections narrower than their input (o_proj, down_proj) it
-splits K at batch 1 and adds a reduction kernel; inside a decode graph every extra kernel costs a launch gap.
-This kernel gives each program a few output rows and long K slices, with few warps, so that many small
-programs are in flight per SM and hide the memory latency of the K loop. FP8 weights are widened in registers
-(with their per-row scale), so the same kernel reads half the bytes for `--quantization fp8`.
+At batch 1 a decode step is weight reads and little else, and inside a CUDA graph every extra kernel costs a
+launch gap. cuBLAS splits K for projections narrower than their input (o_proj, down_proj) and adds a reduction
+kernel; this kernel gives each program a few output rows and long K slices, with few warps, so that many small
+programs are in flight per SM and hide the memory latency of the K loop. Launched with PDL (kernels/pdl.py), a
+program loads its first weight tile before it waits for the previous kernel, so the weight stream starts
+while the previous kernel drains. FP8 weights are widened in registers (with their per-row scale), so the
+same kernel reads half the bytes for `--quantization fp8`.
+
+`act="silu_mul"` takes x as [1, 2K] (gate, up) and multiplies by silu(gate) * up, rounded as the separate
+kernel rounds it: down_proj and its activation in one launch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
     import triton.testing
+
+    from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
     triton = None
+
+ACTS = {None: 0, "silu_mul": 1}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -24,20 +35,22 @@ def available(x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype."""
+         bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype."""
     n, k = w.shape
-    if x.shape != (1, k) or w.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}")
+    width = 2 * k if act == "silu_mul" else k
+    if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, act {act!r}")
     x = x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, out, n, k, w.stride(0))
-    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None)
+    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=ACTS[act])
     if x.is_cuda:
-        _gemv_tuned[grid](*args, **flags)
+        on = pdl.enabled(x)
+        _gemv_tuned[grid](*args, **flags, PDL=on, launch_pdl=on)
     else:  # the interpreter (tests): one small configuration, no timing runs
-        _gemv_kernel[grid](*args, **flags, BLOCK_N=16, BLOCK_K=64)
+        _gemv_kernel[grid](*args, **flags, PDL=False, BLOCK_N=16, BLOCK_K=64)
     return out
 
 
@@ -51,18 +64,35 @@ if triton is not None:
         return triton.autotune(configs=configs, key=["N", "K"], do_bench=_bench)(kernel)
 
     @triton.jit
+    def _load_x(X, kk, K, ACT: tl.constexpr):
+        if ACT == 1:  # silu(gate) * up, each product rounded to the activation dtype as silu_and_mul does
+            g = tl.load(X + kk, mask=kk < K, other=0.0)
+            u = tl.load(X + K + kk, mask=kk < K, other=0.0)
+            gf = g.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
+            return (s * u).to(tl.float32)
+        return tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, OUT, N, K, stride_wn, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ACT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        rows = W + rn[:, None].to(tl.int64) * stride_wn
+        nmask = rn[:, None] < N
+        # The first weight tile is loaded before the wait: no kernel of the step writes weights.
+        w = tl.load(rows + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-            w = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            x = _load_x(X, k0 + rk, K, ACT)
+            nk = k0 + BLOCK_K + rk
+            w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
+            w = w_next
         y = tl.sum(acc, axis=1)
         if HAS_SCALE:
             y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)

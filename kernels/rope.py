@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
     triton = None
 
@@ -49,13 +53,14 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, cos_sin, kv_layer: torch.Tenso
     fp8 = kv_layer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     limit = torch.finfo(kv_layer.dtype).max if fp8 else 0.0
     block_h = triton.next_power_of_2(max(num_q_heads, kv_heads))
+    on = pdl.enabled(qk)
     _rope_store_kernel[(n,)](
         qk, v, cos, sin, q, kv_layer, out_pages, out_offsets,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         limit,
-        HQ=num_q_heads, HKV=kv_heads, BLOCK_H=block_h, HALF=dim // 2, FP8=fp8,
+        HQ=num_q_heads, HKV=kv_heads, BLOCK_H=block_h, HALF=dim // 2, FP8=fp8, PDL=on, launch_pdl=on,
         num_warps=4 if block_h * dim <= 4096 else 8,
     )
     return q
@@ -67,13 +72,19 @@ if triton is not None:
                            s_qk_t, s_qk_h, s_v_t, s_v_h, s_cos, s_sin, s_q_t, s_q_h,
                            s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit,
                            HQ: tl.constexpr, HKV: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                           FP8: tl.constexpr):
+                           FP8: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, HALF)
         # The tables hold cos for both halves and sin with its first half negated: use the second halves.
+        # They and the slots are written at the start of the step, long before the previous kernel.
         c = tl.load(COS + t * s_cos + HALF + d).to(tl.float32)[None, :]
         s = tl.load(SIN + t * s_sin + HALF + d).to(tl.float32)[None, :]
+        page = tl.load(pages + t).to(tl.int64)
+        slot = tl.load(offsets + t).to(tl.int64)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
         qmask = (h < HQ)[:, None]
         base = QK + t * s_qk_t + h[:, None] * s_qk_h + d[None, :]
@@ -98,8 +109,6 @@ if triton is not None:
             r2 = tl.clamp(r2, -limit, limit)
             v1 = tl.clamp(v1, -limit, limit)
             v2 = tl.clamp(v2, -limit, limit)
-        page = tl.load(pages + t).to(tl.int64)
-        slot = tl.load(offsets + t).to(tl.int64)
         kdst = KV + page * s_kv_p + slot * s_kv_s + h[:, None] * s_kv_h + d[None, :]
         ty = KV.dtype.element_ty
         tl.store(kdst, r1.to(ty), mask=kmask)

@@ -186,3 +186,19 @@ def test_gemv_matches_a_matmul(dtype, scaled):
     ref = x.float() @ w.float().t() * (scale if scaled else 1.0)
     got = gemv(x, w, scale).float()
     assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemv_with_silu_mul_is_down_proj_of_the_separate_activation(dtype):
+    from kernels.fused import silu_and_mul
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(70, 300, generator=g) * 0.05).to(dtype)
+    h = torch.randn(1, 600, generator=g).to(dtype)  # gate and up, as gate_up_proj returns them
+    bias = torch.randn(70, generator=g).to(dtype)
+    ref = silu_and_mul(h, fused=False).float() @ w.float().t() + bias.float()
+    got = gemv(h, w, bias=bias, act="silu_mul").float()
+    assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
+    with pytest.raises(ValueError):
+        gemv(h[:, :300], w, act="silu_mul")  # the input must hold both halves

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.attention.base import AttentionBackend, AttentionInputs, AttentionStep
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -28,12 +30,17 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    # The step's page table is written before the step starts; q and the new token's K/V by the previous kernel.
     seq_len = tl.load(seq_lens + b)
+    page_base = tl.load(indptr + b)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
@@ -51,7 +58,6 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    page_base = tl.load(indptr + b)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < end
@@ -80,9 +86,12 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(O_part, LSE_part, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          stride_b, stride_h, S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + s, mask=s < S, other=float("-inf"))
@@ -193,6 +202,7 @@ class _TritonStep(AttentionStep):
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         out = torch.empty_like(q)
         if x.is_decode:
+            on = pdl.enabled(q)
             bsz = x.batch_size
             o_part = torch.empty(bsz, heads, self.splits, dim, dtype=torch.float32, device=q.device)
             lse = torch.empty(bsz, heads, self.splits, dtype=torch.float32, device=q.device)
@@ -205,12 +215,13 @@ class _TritonStep(AttentionStep):
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.backend.decode_block_n, PRECISION=precision,
-                num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
+                PDL=on, launch_pdl=on, num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
             )
             _decode_merge_kernel[(bsz, heads)](
                 o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
                 lse.stride(1), out.stride(0), out.stride(1), S=self.splits,
-                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d,
+                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d, PDL=on,
+                launch_pdl=on,
             )
             return out
         block_m = 128
