@@ -207,10 +207,10 @@ def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
         if name != "lm_head":
             q, scale = quantize_per_channel(w)
             t8 = in_graph(lambda: fp8_weight_matmul(x, q, scale))
-            from kernels.gemv import _gemv_tuned
+            from kernels.gemv import config
 
             line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
-                     f"({_gemv_tuned.best_config})")
+                     f"(BLOCK_N, BLOCK_K, warps, stages {config(*w.shape, w.device)})")
             del q
         print(line, flush=True)
 
@@ -617,7 +617,11 @@ def main() -> None:
     if device.type == "cuda":
         # FP8 weights last: quantizing swaps the model's linears in place.
         torch.cuda.empty_cache()
+        e = engine_for(big, fast, 8192, device, dtype, quantization="fp8", graphs=False)
+        profile_step(e, 1, ctx1)
+        del e
         e = engine_for(big, fast, 8192, device, dtype, quantization="fp8")
+        print(f"  FP8 batch-1 step phases: {step_phases(e, 1, ctx1, steps)}", flush=True)
         t_fp8 = decode_step_time(e, 1, ctx1, steps)
         rows.append((f"{bn} FP8 weights, batch-1 decode, {ctx1} ctx: step ms (bf16 ms)", t_fp8 * 1e3, t_bf16 * 1e3,
                      t_bf16 / t_fp8, ">= 1.6x"))

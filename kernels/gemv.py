@@ -14,6 +14,8 @@ kernel rounds it: down_proj and its activation in one launch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import pdl
@@ -21,7 +23,6 @@ from kernels import pdl
 try:
     import triton
     import triton.language as tl
-    import triton.testing
 
     from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
@@ -48,21 +49,30 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=ACTS[act])
     if x.is_cuda:
         on = pdl.enabled(x)
-        _gemv_tuned[grid](*args, **flags, PDL=on, launch_pdl=on)
-    else:  # the interpreter (tests): one small configuration, no timing runs
+        bn, bk, warps, stages = config(n, k, x.device)
+        _gemv_kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                           num_stages=stages)
+    else:  # the interpreter (tests): one small configuration
         _gemv_kernel[grid](*args, **flags, PDL=False, BLOCK_N=16, BLOCK_K=64)
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight: a fixed choice, never a timed one, so that every
+    process computes a projection with the same summation order and greedy tokens agree across workers (a
+    prefill and a decode worker, or two replicas). Long rows (down_proj) get long K slices; otherwise eight
+    rows a program, fewer when that would leave under four programs per SM."""
+    if k >= 8192:
+        return 2, 2048, 2, 2
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bn = 8
+    while bn > 2 and triton.cdiv(n, bn) < 4 * sms:
+        bn //= 2
+    return bn, 512, 2, 3
+
+
 if triton is not None:
-    def _bench(fn, quantiles=None, **_):
-        # Time candidates inside a CUDA graph: these kernels take microseconds, less than a launch from Python,
-        # and timing plain launches would rank the launch overhead instead of the kernels.
-        return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
-
-    def autotune_in_graph(configs, kernel):
-        return triton.autotune(configs=configs, key=["N", "K"], do_bench=_bench)(kernel)
-
     @triton.jit
     def _load_x(X, kk, K, ACT: tl.constexpr):
         if ACT == 1:  # silu(gate) * up, each product rounded to the activation dtype as silu_and_mul does
@@ -99,8 +109,3 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
-
-    _GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                     for bn, bk, w, s in [(2, 2048, 2, 2), (4, 1024, 2, 2), (8, 1024, 4, 2), (8, 512, 2, 3),
-                                          (16, 512, 4, 3)]]
-    _gemv_tuned = autotune_in_graph(_GEMV_CONFIGS, _gemv_kernel)
