@@ -2,7 +2,8 @@
 
 Pools are [layers, pages, 2, page_size, kv_heads, head_dim]; one (layer, page) block is contiguous. Program
 (l, i, c) copies chunk c of block (l, src_pages[i]) to block (l, dst_pages[i]). The destination may be
-another process's pool opened through CUDA IPC.
+another process's pool opened through CUDA IPC. A pair whose source page is negative is skipped: padding, so
+that a captured copy of a fixed list length serves any shorter list.
 """
 
 from __future__ import annotations
@@ -51,5 +52,6 @@ if triton is not None:
         dp = tl.load(dst_pages + i).to(tl.int64)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < block
-        x = tl.load(SRC + layer * src_layer_stride + sp * block + offs, mask=mask)
-        tl.store(DST + layer * dst_layer_stride + dp * block + offs, x, mask=mask)
+        if sp >= 0:
+            x = tl.load(SRC + layer * src_layer_stride + sp * block + offs, mask=mask)
+            tl.store(DST + layer * dst_layer_stride + dp * block + offs, x, mask=mask)

@@ -114,7 +114,9 @@ def test_page_copy_kernel_moves_whole_pages_across_pools():
     src.data.copy_(torch.randn(src.data.shape))
     before = dst.data.clone()
     s, d = torch.tensor([3, 17, 5]), torch.tensor([29, 2, 11])
-    copy_pages(src.data, dst.data, s, d, fused=True)
+    # Pairs past the real ones are padding (a captured copy of a fixed list length): source page -1, skipped.
+    copy_pages(src.data, dst.data, torch.tensor([3, 17, 5, -1, -1]), torch.tensor([29, 2, 11, -1, -1]),
+               fused=True)
     for a, b in zip(s.tolist(), d.tolist()):
         assert torch.equal(dst.data[:, b], src.data[:, a])
     rest = [p for p in range(30) if p not in d.tolist()]

@@ -4,6 +4,11 @@ The decode worker exports its pool's storage once (a CUDA IPC handle in its endp
 maps it on first use and copies a request's pages for all layers with one page-copy kernel launch. When the
 copy has finished on the GPU (an event), the notification goes over ZMQ to the decode worker. Writes are
 one-sided, as with NIXL (see transfer/base.py on aborts).
+
+A send is one CUDA graph replay: per peer and per page count rounded up to a power of two, a graph copies the
+page lists from a fixed pinned buffer to the device and runs the page-copy kernel (padding pairs are skipped).
+Launching the two from Python costs more host time than the copy itself takes on the GPU for a few thousand
+tokens, and that host time is TTFT.
 """
 
 from __future__ import annotations
@@ -46,9 +51,41 @@ def same_machine(a: bytes, b: bytes) -> bool:
         return False
 
 
+class _CopyGraph:
+    """Send `bucket` page pairs (or fewer) from our pool into one peer's mapped pool: one graph replay."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, bucket: int):
+        self.host = torch.full((2, bucket), -1, dtype=torch.int32, pin_memory=True)
+        self.lists = self.host.numpy()
+        self.dev = torch.full((2, bucket), -1, dtype=torch.int32, device=src.device)
+        self.last: torch.cuda.Event | None = None
+        stream = torch.cuda.Stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            copy_pages(src, dst, self.dev[0], self.dev[1])  # compile outside the capture (all pairs padding)
+        torch.cuda.current_stream(src.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.dev.copy_(self.host, non_blocking=True)
+            copy_pages(src, dst, self.dev[0], self.dev[1])
+
+    def send(self, src_pages, dst_pages) -> torch.cuda.Event:
+        if self.last is not None:
+            self.last.synchronize()  # the previous replay has read the pinned lists (long since, as a rule)
+        n = len(src_pages)
+        self.lists[0, :n] = src_pages
+        self.lists[1, :n] = dst_pages
+        self.lists[:, n:] = -1
+        self.graph.replay()
+        self.last = torch.cuda.Event()
+        self.last.record()
+        return self.last
+
+
 class CudaIpcTransfer(TransferEngine):
     name = "cuda_ipc"
     one_sided = True
+    max_graph_pages = 8192  # the largest send made by a graph (128k tokens of 16-token pages)
 
     def __init__(self, pool, worker_id: str, host: str, ctx: zmq.Context | None = None):
         super().__init__(pool, worker_id, host)
@@ -60,6 +97,7 @@ class CudaIpcTransfer(TransferEngine):
         self.rx.bind(f"tcp://{host}:*")
         self.addr = self.rx.getsockopt_string(zmq.LAST_ENDPOINT)
         self.peers: dict[str, tuple[torch.Tensor, zmq.Socket]] = {}
+        self.graphs: dict[tuple[str, int], _CopyGraph] = {}
         self.pending: list[tuple[str, torch.cuda.Event, bytes, zmq.Socket, float, int]] = []
         self.done: list[SendResult] = []
 
@@ -96,19 +134,31 @@ class CudaIpcTransfer(TransferEngine):
             n = len(src_pages)
             if len(dst_pages) != n:
                 raise ValueError("source and destination page lists differ in length")
-            # Both page lists in one asynchronous copy from pinned memory (torch's caching host allocator
-            # keeps the buffer until the copy has run), so the host does not wait for the device here.
-            host = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
-            host.numpy()[:n] = src_pages
-            host.numpy()[n:] = dst_pages
-            pages = host.to(self.pool.device, non_blocking=True)
-            copy_pages(self.pool.data, remote, pages[:n], pages[n:])
+            event = self._copy(peer_id, remote, src_pages, dst_pages)
         except (ValueError, RuntimeError) as e:
             self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
             return
+        self.pending.append((rid, event, notify, sock, t0, len(src_pages) * self.pool.page_bytes))
+
+    def _copy(self, peer_id: str, remote: torch.Tensor, src_pages, dst_pages) -> torch.cuda.Event:
+        n = len(src_pages)
+        bucket = max(16, 1 << max(0, n - 1).bit_length())
+        if n and bucket <= self.max_graph_pages:
+            key = (peer_id, bucket)
+            if key not in self.graphs:
+                self.graphs[key] = _CopyGraph(self.pool.data, remote, bucket)
+            return self.graphs[key].send(src_pages, dst_pages)
+        # Beyond the largest graph (or nothing to send) two launches cost little next to the copy itself.
+        # The page lists go in one asynchronous copy from pinned memory (torch's caching host allocator keeps
+        # the buffer until the copy has run), so the host does not wait for the device here.
+        host = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
+        host.numpy()[:n] = src_pages
+        host.numpy()[n:] = dst_pages
+        pages = host.to(self.pool.device, non_blocking=True)
+        copy_pages(self.pool.data, remote, pages[:n], pages[n:])
         event = torch.cuda.Event()
         event.record()
-        self.pending.append((rid, event, notify, sock, t0, len(src_pages) * self.pool.page_bytes))
+        return event
 
     def poll_sent(self):
         still = []
@@ -143,6 +193,8 @@ class CudaIpcTransfer(TransferEngine):
 
     def drop_peer(self, peer_id):
         entry = self.peers.pop(peer_id, None)
+        for key in [k for k in self.graphs if k[0] == peer_id]:
+            del self.graphs[key]
         if entry is not None:
             entry[1].close(0)
 
