@@ -186,6 +186,38 @@ def in_graph(fn, n: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (5 * n)
 
 
+def tune_gemv(device) -> None:
+    """The one-token GEMV's launch configurations on the 8B and 0.5B projection shapes, bf16 and FP8, timed
+    inside a CUDA graph over enough distinct weight copies (>= 256 MB) that nothing is served from L2."""
+    from kernels.fp8_linear import FP8
+    from kernels.gemv import config, gemv
+
+    shapes = {"8B qkv": (6144, 4096, None), "8B o": (4096, 4096, None), "8B gate_up": (28672, 4096, None),
+              "8B down": (4096, 14336, "silu_mul"), "0.5B qkv": (1152, 896, None), "0.5B o": (896, 896, None),
+              "0.5B gate_up": (9728, 896, None), "0.5B down": (896, 4864, "silu_mul")}
+    launches = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
+                (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 3), (32, 512, 8, 2)]
+    bw = ceilings(device, False)["copy_bw"]
+    for name, (n, k, act) in shapes.items():
+        for dt in (torch.bfloat16, FP8):
+            size = n * k * (2 if dt == torch.bfloat16 else 1)
+            copies = max(1, -(-(256 << 20) // size))
+            ws = [torch.randn(n, k, device=device).to(dt) for _ in range(copies)]
+            scale = None if dt == torch.bfloat16 else torch.ones(n, device=device)
+            x = torch.randn(1, 2 * k if act else k, device=device, dtype=torch.bfloat16)
+            res = []
+            for launch in launches:
+                t = in_graph(lambda: [gemv(x, w, scale, act=act, launch=launch) for w in ws], 1) / copies
+                res.append((size / t / bw, launch))
+            res.sort(reverse=True)
+            default = config(n, k, device)
+            mine = next(r for r, c in res if c == default) if default in [c for _, c in res] else float("nan")
+            print(f"  gemv {name} {str(dt).removeprefix('torch.')}: best {res[0][1]} {res[0][0]:.2f} of ceiling, "
+                  f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}",
+                  flush=True)
+            ws = None  # noqa: F841 (frees the copies before the next shape)
+
+
 def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
     """Batch-1 matmuls of one layer and the LM head, timed inside CUDA graphs: share of the copy ceiling for
     bf16 cuBLAS, the Triton GEMV on the bf16 weights, and the FP8 weight-only GEMV on the same shapes."""
@@ -501,6 +533,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
     ap.add_argument("--tune-decode", action="store_true", help="time the decode kernel's launch parameters")
     ap.add_argument("--only-ipc", action="store_true", help="only the cuda_ipc transfer row")
+    ap.add_argument("--tune-gemv", action="store_true", help="time the one-token GEMV's launch configurations")
     ap.add_argument("--pd-tokenizer", default=None,
                     help="a directory with tokenizer.json: also run the 1P1D service rows (bench/pd.py)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -518,6 +551,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.tune_decode:
         return tune_decode(device, dtype, args.smoke)
+    if args.tune_gemv:
+        return tune_gemv(device)
     if args.only_ipc:
         t, td, copy, exact = cuda_ipc_row()
         print(f"| cuda_ipc, 4096 tokens of 8B KV, scattered pages, into another process: device ms, host ms "

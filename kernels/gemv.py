@@ -36,8 +36,9 @@ def available(x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-    """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype."""
+         bias: torch.Tensor | None = None, act: str | None = None, launch: tuple | None = None) -> torch.Tensor:
+    """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype.
+    `launch` overrides config() (bench/gpu.py --tune-gemv)."""
     n, k = w.shape
     width = 2 * k if act == "silu_mul" else k
     if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1:
@@ -49,7 +50,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=ACTS[act])
     if x.is_cuda:
         on = pdl.enabled(x)
-        bn, bk, warps, stages = config(n, k, x.device)
+        bn, bk, warps, stages = launch or config(n, k, x.device)
         _gemv_kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                            num_stages=stages)
     else:  # the interpreter (tests): one small configuration
