@@ -50,7 +50,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=ACTS[act])
     if x.is_cuda:
         on = pdl.enabled(x)
-        bn, bk, warps, stages = launch or config(n, k, x.device)
+        bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size())
         _gemv_kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                            num_stages=stages)
     else:  # the interpreter (tests): one small configuration
@@ -59,18 +59,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
 
 
 @functools.lru_cache(maxsize=None)
-def config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+def config(n: int, k: int, device: torch.device, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight: a fixed choice, never a timed one, so that every
     process computes a projection with the same summation order and greedy tokens agree across workers (a
-    prefill and a decode worker, or two replicas). Long rows (down_proj) get long K slices; otherwise eight
-    rows a program, fewer when that would leave under four programs per SM."""
-    if k >= 8192:
-        return 2, 2048, 2, 2
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bn = 8
-    while bn > 2 and triton.cdiv(n, bn) < 4 * sms:
-        bn //= 2
-    return bn, 512, 2, 3
+    prefill and a decode worker, or two replicas). The choices are the best or near-best of
+    `python -m bench.gpu --tune-gemv` on an H200 for the 8B shapes (docs/benchmarks.md)."""
+    if element_size == 1:  # FP8: long K slices for long rows (down_proj), else eight rows of 512
+        return (4, 2048, 4, 2) if k >= 8192 else (8, 512, 2, 3)
+    return 8, 1024, 4, 2
 
 
 if triton is not None:
