@@ -189,7 +189,6 @@ def in_graph(fn, n: int = 20) -> float:
 def tune_gemv(device) -> None:
     """The one-token GEMV's launch configurations on the 8B and 0.5B projection shapes, bf16 and FP8, timed
     inside a CUDA graph over enough distinct weight copies (>= 256 MB) that nothing is served from L2."""
-    from kernels.fp8_gemv import fp8_gemv
     from kernels.fp8_linear import FP8
     from kernels.gemv import config, gemv
 
@@ -198,8 +197,6 @@ def tune_gemv(device) -> None:
               "0.5B gate_up": (9728, 896, None), "0.5B down": (896, 4864, "silu_mul")}
     launches = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
                 (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 3), (32, 512, 8, 2)]
-    fp8_launches = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 256, 4, 3), (64, 128, 4, 4),
-                    (16, 512, 4, 3), (32, 128, 4, 4), (64, 256, 8, 3), (128, 128, 4, 4), (32, 256, 2, 3)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, act) in shapes.items():
         for dt in (torch.bfloat16, FP8):
@@ -218,13 +215,6 @@ def tune_gemv(device) -> None:
             print(f"  gemv {name} {str(dt).removeprefix('torch.')}: best {res[0][1]} {res[0][0]:.2f} of ceiling, "
                   f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}",
                   flush=True)
-            if dt != torch.bfloat16:  # the tensor-core kernel (token quantized) on the same weights
-                res = []
-                for launch in fp8_launches:
-                    t = in_graph(lambda: [fp8_gemv(x, w, scale, act=act, launch=launch) for w in ws], 1) / copies
-                    res.append((size / t / bw, launch))
-                res.sort(reverse=True)
-                print(f"  fp8_gemv {name}: " + ", ".join(f"{c} {r:.2f}" for r, c in res[:4]), flush=True)
             ws = None  # noqa: F841 (frees the copies before the next shape)
 
 

@@ -1,9 +1,10 @@
 """FP8 weights: per-output-channel e4m3 weights, per-token dynamic e4m3 activations, one scaled matmul.
 
-On a GPU, one token (batch-1 decode) takes kernels/fp8_gemv.py: the token is quantized per token as for
-prefill, and the FP8 tensor cores multiply. Batches of 2 to 16 tokens take a Triton kernel that reads the FP8 weights, widens them in
-registers and multiplies with the activations as they are (no activation quantization: one launch, half the
-weight bytes of bf16, which is all a memory-bound step pays for). Larger batches (prefill) quantize the
+On a GPU, one token (batch-1 decode) takes the GEMV of kernels/gemv.py and batches of up to 16 tokens a
+Triton kernel: both read the FP8 weights, widen them in registers and multiply with the activations as they
+are (no activation quantization: one launch, half the weight bytes of bf16, which is all a memory-bound step
+pays for). A version that quantized the token and used the FP8 tensor cores measured slower (0.36-0.82 of the
+copy ceiling against 0.45-0.66; docs/benchmarks.md). Larger batches (prefill) quantize the
 activations per token and use torch._scaled_mm on the FP8 tensor cores. Elsewhere the weights are widened back
 and multiplied in the activation dtype, so CPU tests check the quantization.
 """
@@ -14,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_gemv import fp8_gemv
 from kernels.fused import silu_and_mul
 from kernels.gemv import gemv
 
@@ -49,7 +49,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """act="silu_mul": SiLU-and-mul on x first (fused into the one-token kernel)."""
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
-            return fp8_gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
         if act == "silu_mul":
             x = silu_and_mul(x)
         if not x.is_cuda:
