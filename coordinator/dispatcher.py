@@ -43,6 +43,7 @@ class Tracked:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
     prefill_id: str | None = None
+    counted_on: str | None = None  # the decode worker whose in-flight count includes this request
     first_token: bool = False
     done: bool = False
     alloc: Allocated | None = None
@@ -161,9 +162,20 @@ class Dispatcher:
         if t.prefill_id is not None:
             self._prefill_inflight[t.prefill_id] = self._prefill_inflight.get(t.prefill_id, 0) - len(t.prompt_ids)
 
+    def _count_decode(self, t: Tracked, worker_id: str) -> None:
+        t.decode_id = t.counted_on = worker_id
+        self._decode_inflight[worker_id] = self._decode_inflight.get(worker_id, 0) + 1
+
     def _settle_decode(self, t: Tracked) -> None:
-        if t.decode_id is not None:
-            self._decode_inflight[t.decode_id] = self._decode_inflight.get(t.decode_id, 0) - 1
+        # Idempotent: a request can be settled by its last token, the watchdog, an abort and a failed
+        # placement, in any order.
+        if t.counted_on is not None:
+            self._decode_inflight[t.counted_on] = self._decode_inflight.get(t.counted_on, 0) - 1
+            t.counted_on = None
+
+    def _unreserve(self, t: Tracked) -> None:
+        self._settle_decode(t)
+        t.decode_id = None
 
     # --- the registry's view -------------------------------------------------------------------------------
     def refresh(self) -> dict[str, WorkerInfo]:
@@ -185,6 +197,12 @@ class Dispatcher:
                 continue
             for t in list(self.requests.values()):
                 if t.done:
+                    continue
+                pending = self._replies.get(t.rid)
+                if pending is not None:  # still being placed: let placement try the next decode worker
+                    if t.decode_id not in alive and not pending.done():
+                        pending.set_result(Rejected(t.rid, t.decode_id, "worker left", retryable=True))
+                        self._replies.pop(t.rid, None)
                     continue
                 if t.decode_id is not None and t.decode_id not in alive:
                     t.done = True
@@ -217,8 +235,7 @@ class Dispatcher:
                     return
             elif colocated:
                 w = min(colocated, key=lambda w: (self._decode_inflight.get(w.worker_id, 0), -w.load.free_pages))
-                t.decode_id = w.worker_id
-                self._decode_inflight[w.worker_id] = self._decode_inflight.get(w.worker_id, 0) + 1
+                self._count_decode(t, w.worker_id)
                 self._send(w.ctrl_addr, Generate(t.rid, t.prompt_ids, t.params, self.addr))
                 return
             if time.monotonic() >= deadline:
@@ -249,25 +266,29 @@ class Dispatcher:
             fut = asyncio.get_running_loop().create_future()
             self._replies[t.rid] = fut
             wait = max(0.0, deadline - time.monotonic())
+            # Counted from the moment the Allocate leaves: requests placed while this one waits for its
+            # reply must see the worker as busier, or a burst all lands on the same decode worker.
+            self._count_decode(t, dec.worker_id)
             self._send(dec.ctrl_addr, Allocate(t.rid, t.prompt_ids, t.params, self.addr, backend, wait))
             try:
                 reply = await asyncio.wait_for(fut, timeout=wait + 2.0)
             except asyncio.CancelledError:  # the client left while the decode worker was reserving
                 self._replies.pop(t.rid, None)
                 self._send(dec.ctrl_addr, Abort(t.rid))
+                self._unreserve(t)
                 raise
             except asyncio.TimeoutError:
                 self._replies.pop(t.rid, None)
                 self._send(dec.ctrl_addr, Abort(t.rid))
+                self._unreserve(t)
                 rejected.add(dec.worker_id)
                 continue
             if isinstance(reply, Rejected):
+                self._unreserve(t)
                 if not reply.retryable:
                     raise PlacementError(400, reply.reason)
                 rejected.add(dec.worker_id)
                 continue
-            t.decode_id = dec.worker_id
-            self._decode_inflight[dec.worker_id] = self._decode_inflight.get(dec.worker_id, 0) + 1
             self._send_prefill(t, prefill, dec, backend, reply)
             return True
         return False
