@@ -63,10 +63,14 @@ def close(a, b, tol):
     return ((a - b).abs().max() / b.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("page_tiles", [False, True], ids=["token-tiles", "page-tiles"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-def test_decode_matches_reference(cfg, layout):
+def test_decode_matches_reference(cfg, layout, page_tiles, monkeypatch):
+    from kernels.attention.triton_backend import TritonBackend
+
+    monkeypatch.setattr(TritonBackend, "page_tiles", page_tiles)
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
     outs = run(cfg, prefix, [1] * len(prefix), layout=layout)

@@ -31,6 +31,7 @@ def _decode_split_kernel(
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -46,8 +47,14 @@ def _decode_split_kernel(
         lo = tl.maximum(seq_len - window, 0)
     # Each request's own KV range is cut into the S splits, so every split has work whatever the context
     # (the split count is fixed at plan time, and a CUDA graph replays it for any length).
-    chunk = tl.cdiv(seq_len - lo, S)
-    start = lo + s * chunk
+    if PAGE_TILES:
+        # Tiles of whole pages: a split starts on a tile boundary, and each page's number is read once.
+        lo_tile = (lo // BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo_tile, S), BLOCK_N) * BLOCK_N
+        start = lo_tile + s * chunk
+    else:
+        chunk = tl.cdiv(seq_len - lo, S)
+        start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -60,9 +67,15 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        valid = t < end
-        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
-        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+        valid = (t < end) & (t >= lo)
+        if PAGE_TILES:
+            pj = t0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            pg = tl.load(indices + page_base + pj, mask=pj * PAGE < end, other=0).to(tl.int64)
+            row = tl.reshape(pg[:, None] * stride_kp + tl.arange(0, PAGE)[None, :] * stride_ks, [BLOCK_N])
+            row = row + kvh * stride_kh
+        else:
+            page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
         kmask = valid[:, None] & (d[None, :] < D)
         # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
         k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
@@ -169,6 +182,7 @@ class TritonBackend(AttentionBackend):
     decode_block_n = 32
     decode_warps = 4
     decode_stages = 3
+    page_tiles = False  # tiles of whole pages (BLOCK_N a multiple of the page size), see the kernel
     target_programs = 256
     max_chunk = 256
     max_splits = 64
@@ -215,6 +229,7 @@ class _TritonStep(AttentionStep):
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.backend.decode_block_n, PRECISION=precision,
+                PAGE_TILES=self.backend.page_tiles and self.backend.decode_block_n % self.pool.page_size == 0,
                 PDL=on, launch_pdl=on, num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
             )
             _decode_merge_kernel[(bsz, heads)](
