@@ -138,7 +138,8 @@ def step_phases(engine: Engine, batch: int, ctx: int, steps: int) -> dict:
 
 
 def attention_times(engine: Engine, names: list[str], batch: int, ctx: int, iters: int) -> dict[str, float]:
-    """Seconds of one layer's attention (KV store included) for a decode batch, per backend, same pages."""
+    """Seconds of one layer's attention (KV store included) for a decode batch, per backend, same pages:
+    kernel time on a GPU (kernel_time), wall time elsewhere."""
     from kernels.attention import create_backend
 
     vocab = engine.config.vocab_size
@@ -158,7 +159,8 @@ def attention_times(engine: Engine, names: list[str], batch: int, ctx: int, iter
     out = {}
     for name in names:
         step = create_backend(name, engine.pool, c).plan(x)
-        out[name] = timed(lambda: step.forward(q, k, v, 0), iters)
+        fn = lambda: step.forward(q, k, v, 0)  # noqa: E731
+        out[name] = kernel_time(fn, iters) if dev.type == "cuda" else timed(fn, iters)
     for r in reqs:
         engine.abort(r.rid)
     return out
@@ -503,85 +505,34 @@ def prefill_flops(model: CausalLM, n: int) -> float:
     return 2 * dense * n + attn
 
 
-def device_time(fn, iters: int = 50) -> float:
-    """Seconds per call of fn, calls queued back to back between two events: device time, as long as the
-    host launches faster than the device runs (true for kernels of 100 us and more)."""
+def kernel_time(fn, iters: int = 20) -> float:
+    """Seconds of device time per call of fn: the durations of the kernels it launches, as the profiler
+    records them. Unlike a host or event timing of calls launched from Python, this does not grow when the
+    launches cost more than the kernels run (Triton launches cost tens of microseconds on the H200 host)."""
+    from torch.profiler import ProfilerActivity, profile
+
     for _ in range(3):
         fn()
     sync()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    sync()
-    return start.elapsed_time(end) / 1e3 / iters
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    total_us = 0.0
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            total_us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    if total_us <= 0:
+        raise RuntimeError("the profiler recorded no kernels")
+    return total_us / 1e6 / iters
 
 
 def tune_decode(device, dtype, smoke: bool) -> None:
-    """The triton decode kernel's launch parameters at batch 64, 2k context (8B shape), attention alone (the
-    KV store is the same for every setting), timed on the device; flashinfer on the same pages for reference."""
+    """The decode kernel's settings for many requests (TritonBackend.decode_large), timed on one layer's
+    pages at batch 64, 2k context (8B shape), then the whole 8B step (CUDA graphs) with the current settings
+    and with the fastest, against its roofline."""
     from kernels.attention import create_backend
-    from kernels.attention.triton_backend import TritonBackend
-
-    cfg = dict(SMOKE_CONFIG) if smoke else json.load(open(os.path.join(HERE, "configs", "llama-3.1-8b.json")))
-    cfg["num_hidden_layers"] = 1  # one layer is enough to time one layer's attention
-    model = build(cfg, device, dtype)
-    batch, ctx = (4, 128) if smoke else (64, 2048)
-    e = engine_for(model, "triton", batch * (ctx + 64) + 1024, device, dtype, graphs=False)
-    kv_bytes_layer = kv_bytes(model, batch * ctx, dtype)
-    vocab = e.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    reqs = [e.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
-    while any(r.num_output == 0 for r in reqs):
-        e.step()
-    e.sync()
-    chunks = e.scheduler.schedule()
-    _, _, x, _ = e.runner.prepare(chunks)
-    c = e.config
-    q = torch.randn(batch, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
-    timer = (lambda fn: timed(fn, 3)) if smoke else device_time
-    results = []
-    try:
-        import flashinfer  # noqa: F401
-
-        fi = create_backend("flashinfer", e.pool, c).plan(x)
-        results.append(("flashinfer", timer(lambda: fi.attend(q, 0))))
-        print(f"flashinfer: {results[-1][1] * 1e6:.0f} us", flush=True)
-    except ImportError:
-        pass
-    grid = [(bn, w, st, ch, pt) for bn in (32, 64) for w in (4, 8) for st in (2, 3, 4) for ch in (256, 512, 1024)
-            for pt in (False, True)]
-    grid += [(16, w, st, ch, pt) for w in (2, 4) for st in (3, 4) for ch in (256, 512) for pt in (False, True)]
-    if smoke:
-        grid = grid[:2]
-    for block_n, warps, stages, max_chunk, page_tiles in grid:
-        TritonBackend.decode_block_n, TritonBackend.decode_warps = block_n, warps
-        TritonBackend.decode_stages, TritonBackend.max_chunk = stages, max_chunk
-        TritonBackend.page_tiles = page_tiles
-        try:
-            step = create_backend("triton", e.pool, c).plan(x)
-            t = timer(lambda: step.attend(q, 0))
-        except Exception as ex:  # a configuration that does not compile or fit
-            print(f"block_n={block_n} warps={warps} stages={stages} chunk={max_chunk}: {ex!r:.80}")
-            continue
-        results.append((f"block_n={block_n} warps={warps} stages={stages} chunk={max_chunk} splits={step.splits}"
-                        f"{' page-tiles' if page_tiles else ''}", t))
-        print(f"{results[-1][0]}: {t * 1e6:.0f} us", flush=True)
-    for r in reqs:
-        e.abort(r.rid)
-    print("\n| decode attention, batch 64, 2048 ctx, one layer | us | GB/s of KV | share of copy ceiling |")
-    print("|---|---|---|---|")
-    bw = ceilings(device, smoke)["copy_bw"]
-    for label, t in sorted(results, key=lambda r: r[1])[:12]:
-        print(f"| {label} | {t * 1e6:.0f} | {kv_bytes_layer / t / 1e9:.0f} | {kv_bytes_layer / t / bw:.2f} |")
-
-
-def batch64(device, dtype, smoke: bool) -> None:
-    """The batch-64 row alone: the decode kernel's settings timed on one layer's pages, then the whole 8B
-    step (CUDA graphs) with the default settings and with the fastest, against the roofline."""
-    from kernels.attention import create_backend
-    from kernels.attention.triton_backend import TritonBackend
+    from kernels.attention.triton_backend import DecodeLaunch, TritonBackend
 
     bw = ceilings(device, smoke)["copy_bw"]
     print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
@@ -597,27 +548,31 @@ def batch64(device, dtype, smoke: bool) -> None:
     _, _, x, _ = e.runner.prepare(e.scheduler.schedule())
     c = e.config
     q = torch.randn(batch, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
-    timer = (lambda fn: timed(fn, 2)) if smoke else device_time
-    default = (TritonBackend.decode_block_n, TritonBackend.decode_warps, TritonBackend.decode_stages,
-               TritonBackend.max_chunk, TritonBackend.page_tiles)
-
-    def use(setting):
-        (TritonBackend.decode_block_n, TritonBackend.decode_warps, TritonBackend.decode_stages,
-         TritonBackend.max_chunk, TritonBackend.page_tiles) = setting
-
-    grid = [default] + [(bn, w, st, ch, pt) for bn in (32, 64) for w in (4, 8) for st in (3, 4) for ch in (256, 1024)
-                        for pt in (False, True)]
+    timer = (lambda fn: timed(fn, 2)) if device.type == "cpu" else kernel_time
+    current = TritonBackend.decode_large
+    if smoke:  # the small batch would pick decode_small; time the large settings all the same
+        TritonBackend.target_programs = 1
+    grid = [current] + [DecodeLaunch(bn, w, st, ch) for bn in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5)
+                        for ch in (512, 1024, 2048)]
     grid = list(dict.fromkeys(grid))
-    times = {}
-    for setting in grid[:3] if smoke else grid:
-        use(setting)
+    times, flash = {}, None
+    try:
+        import flashinfer  # noqa: F401
+
+        fi = create_backend("flashinfer", e.pool, c).plan(x)
+        flash = timer(lambda: fi.attend(q, 0))
+        print(f"flashinfer: {flash * 1e6:.0f} us", flush=True)
+    except ImportError:
+        pass
+    for launch in grid[:3] if smoke else grid:
+        TritonBackend.decode_large = launch
         try:
             step = create_backend("triton", e.pool, c).plan(x)
-            times[setting] = timer(lambda: step.attend(q, 0))
+            times[launch] = timer(lambda: step.attend(q, 0))
         except Exception as ex:  # a setting that does not compile or fit
-            print(f"{setting}: {ex!r:.80}", flush=True)
+            print(f"{launch}: {ex!r:.80}", flush=True)
             continue
-        print(f"{setting}: {times[setting] * 1e6:.0f} us", flush=True)
+        print(f"{launch}: {times[launch] * 1e6:.1f} us", flush=True)
     for r in reqs:
         e.abort(r.rid)
     del e
@@ -626,39 +581,46 @@ def batch64(device, dtype, smoke: bool) -> None:
     big = build(cfg, device, dtype)
     need = (weight_bytes(big) + batch * kv_bytes(big, ctx, dtype)) / bw
     rows = []
-    for label, setting in (("default", default), ("fastest", best)):
-        use(setting)
+    for label, launch in (("current", current), ("fastest", best)):
+        TritonBackend.decode_large = launch
         e = engine_for(big, "triton", batch * (ctx + 64) + 4096, device, dtype)
         t = decode_step_time(e, batch, ctx, steps)
-        rows.append((label, setting, times[setting], t))
-        print(f"{label} {setting}: step {t * 1e3:.2f} ms", flush=True)
+        rows.append((label, launch, times[launch], t))
+        print(f"{label} {launch}: step {t * 1e3:.2f} ms", flush=True)
         del e
         gc.collect()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    print(f"\n| decode kernel setting (BLOCK_N, warps, stages, max chunk, page tiles) | attention us, one layer "
-          f"(share of {bw / 1e9:.0f} GB/s) | batch-{batch} {ctx}-ctx step ms | roofline ms | ratio |")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    TritonBackend.decode_large = current
+    peer = "" if flash is None else f"; flashinfer {flash * 1e6:.0f} us ({kv_layer / flash / bw:.2f})"
+    print(f"\nattention device time, one layer, batch {batch}, {ctx} ctx (share of {bw / 1e9:.0f} GB/s){peer}")
+    print(f"| decode_large | attention us | batch-{batch} {ctx}-ctx step ms | roofline ms | ratio |")
     print("|---|---|---|---|---|")
-    for label, setting, ta, t in rows:
-        print(f"| {label} {setting} | {ta * 1e6:.0f} ({kv_layer / ta / bw:.2f}) | {t * 1e3:.2f} | {need * 1e3:.2f} | "
+    for label, launch, ta, t in rows:
+        print(f"| {label} {launch} | {ta * 1e6:.0f} ({kv_layer / ta / bw:.2f}) | {t * 1e3:.2f} | {need * 1e3:.2f} | "
               f"{need / t:.3f} |")
 
 
 def diagnose(device, dtype) -> None:
     """Kernels of eager 8B decode steps by device time, PDL off (a kernel launched with PDL waits inside
     for its predecessor, so its own time would include the wait), at batch 64 / 2k and batch 1 / 1k."""
-    os.environ["PDSERVE_PDL"] = "0"
     big = build(json.load(open(os.path.join(HERE, "configs", "llama-3.1-8b.json"))), device, dtype)
-    e = engine_for(big, "triton", 64 * (2048 + 64) + 4096, device, dtype, graphs=False)
-    profile_step(e, 64, 2048)
-    profile_step(e, 1, 1024)
+    for pdl_on in ("0", "1"):
+        os.environ["PDSERVE_PDL"] = pdl_on
+        e = engine_for(big, "triton", 64 * (2048 + 64) + 4096, device, dtype)
+        print(f"PDL {pdl_on}: batch-64 step phases, CUDA graph: {step_phases(e, 64, 2048, 10)}", flush=True)
+        profile_step(e, 64, 2048)
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()
     os.environ.pop("PDSERVE_PDL")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
-    ap.add_argument("--tune-decode", action="store_true", help="time the decode kernel's launch parameters")
-    ap.add_argument("--batch64", action="store_true", help="the batch-64 row with the decode kernel's settings")
+    ap.add_argument("--tune-decode", action="store_true",
+                    help="the decode kernel's settings for large batches, and the batch-64 step with the fastest")
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
     ap.add_argument("--only-ipc", action="store_true", help="only the cuda_ipc transfer row")
     ap.add_argument("--tune-gemv", action="store_true", help="time the one-token GEMV's launch configurations")
@@ -683,8 +645,6 @@ def main() -> None:
         return tune_gemv(device)
     if args.diagnose:
         return diagnose(device, dtype)
-    if args.batch64:
-        return batch64(device, dtype, args.smoke)
     if args.only_ipc:
         t, td, copy, exact = cuda_ipc_row()
         print(f"| cuda_ipc, 4096 tokens of 8B KV, scattered pages, into another process: device ms, host ms "

@@ -63,14 +63,15 @@ def close(a, b, tol):
     return ((a - b).abs().max() / b.abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("page_tiles", [False, True], ids=["token-tiles", "page-tiles"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-def test_decode_matches_reference(cfg, layout, page_tiles, monkeypatch):
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
+def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
 
-    monkeypatch.setattr(TritonBackend, "page_tiles", page_tiles)
+    if regime == "many-requests":  # the launch settings of large batches (TritonBackend.decode_large)
+        monkeypatch.setattr(TritonBackend, "target_programs", 1)
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
     outs = run(cfg, prefix, [1] * len(prefix), layout=layout)

@@ -12,6 +12,8 @@ over KV positions 0 .. min(prefix+i, seq_len-1), sliding window honoured.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,6 @@ def _decode_split_kernel(
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    PAGE_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -47,14 +48,8 @@ def _decode_split_kernel(
         lo = tl.maximum(seq_len - window, 0)
     # Each request's own KV range is cut into the S splits, so every split has work whatever the context
     # (the split count is fixed at plan time, and a CUDA graph replays it for any length).
-    if PAGE_TILES:
-        # Tiles of whole pages: a split starts on a tile boundary, and each page's number is read once.
-        lo_tile = (lo // BLOCK_N) * BLOCK_N
-        chunk = tl.cdiv(tl.cdiv(seq_len - lo_tile, S), BLOCK_N) * BLOCK_N
-        start = lo_tile + s * chunk
-    else:
-        chunk = tl.cdiv(seq_len - lo, S)
-        start = lo + s * chunk
+    chunk = tl.cdiv(seq_len - lo, S)
+    start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -67,15 +62,11 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        valid = (t < end) & (t >= lo)
-        if PAGE_TILES:
-            pj = t0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
-            pg = tl.load(indices + page_base + pj, mask=pj * PAGE < end, other=0).to(tl.int64)
-            row = tl.reshape(pg[:, None] * stride_kp + tl.arange(0, PAGE)[None, :] * stride_ks, [BLOCK_N])
-            row = row + kvh * stride_kh
-        else:
-            page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
-            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+        valid = t < end
+        # One page-table read per token: tiles of whole pages with one read per page (a reshape of
+        # [pages, PAGE] rows) measured 2-2.4x slower on an H200 (benchmarks.md, run O).
+        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
         kmask = valid[:, None] & (d[None, :] < D)
         # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
         k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
@@ -176,15 +167,24 @@ def _prefill_kernel(
              mask=qmask)
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages, and
+    the longest split (long contexts are cut into splits of at most this many tokens)."""
+    block_n: int
+    warps: int
+    stages: int
+    max_chunk: int
+
+
 class TritonBackend(AttentionBackend):
-    # Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages; and
-    # the split policy: programs to aim for (a few per SM), longest split, most splits.
-    decode_block_n = 32
-    decode_warps = 4
-    decode_stages = 3
-    page_tiles = False  # tiles of whole pages (BLOCK_N a multiple of the page size), see the kernel
-    target_programs = 256
-    max_chunk = 256
+    # Two regimes. Few requests (fewer (request, KV head) pairs than target_programs) need many short splits
+    # to fill the SMs: 32-token tiles, 3 stages (the batch-1 rows of benchmarks.md, run N). Many requests
+    # stream long splits: 64-token tiles, 4 stages, splits of up to 1024 tokens took the batch-64, 2k-context
+    # 8B step from 11.52 ms to 10.95 ms (run O, `python -m bench.gpu --batch64`).
+    decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256)
+    decode_large = DecodeLaunch(block_n=64, warps=4, stages=4, max_chunk=1024)
+    target_programs = 256  # programs to aim for: a few per SM
     max_splits = 64
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
@@ -204,8 +204,9 @@ class _TritonStep(AttentionStep):
         # Splits: enough programs (batch x kv heads x splits) to fill the GPU several times over, and splits of
         # at most max_chunk tokens for long contexts; never more than there are BLOCK_N tiles to share.
         programs = x.batch_size * c.num_key_value_heads
-        want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, backend.max_chunk))
-        self.splits = max(1, min(want, backend.max_splits, triton.cdiv(x.max_seq_len, backend.decode_block_n)))
+        self.launch = launch = backend.decode_small if programs < backend.target_programs else backend.decode_large
+        want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, launch.max_chunk))
+        self.splits = max(1, min(want, backend.max_splits, triton.cdiv(x.max_seq_len, launch.block_n)))
 
     def attend(self, q, layer_id):
         x = self.x
@@ -228,9 +229,8 @@ class _TritonStep(AttentionStep):
                 lse.stride(0), lse.stride(1),
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
-                D=dim, BLOCK_D=block_d, BLOCK_N=self.backend.decode_block_n, PRECISION=precision,
-                PAGE_TILES=self.backend.page_tiles and self.backend.decode_block_n % self.pool.page_size == 0,
-                PDL=on, launch_pdl=on, num_warps=self.backend.decode_warps, num_stages=self.backend.decode_stages,
+                D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, PRECISION=precision,
+                PDL=on, launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
             _decode_merge_kernel[(bsz, heads)](
                 o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
