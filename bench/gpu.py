@@ -505,6 +505,32 @@ def prefill_flops(model: CausalLM, n: int) -> float:
     return 2 * dense * n + attn
 
 
+def greedy_tokens(engine: Engine, ctx: int, n: int) -> list[int]:
+    vocab = engine.config.vocab_size
+    req = engine.add_request(random_prompt(ctx, vocab, 99), SamplingParams(temperature=0, max_tokens=n,
+                                                                           ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    return req.output_ids
+
+
+def fold_row(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int) -> None:
+    """The batch-1 step with the norms folded into the projections (PDSERVE_FOLD_NORMS=1, engine/model.py)
+    against `engine`, the default: step time, and whether 32 greedy tokens agree."""
+    os.environ["PDSERVE_FOLD_NORMS"] = "1"
+    try:
+        folded = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
+        t = decode_step_time(folded, 1, ctx, steps)
+        same = greedy_tokens(folded, ctx, 32) == greedy_tokens(engine, ctx, 32)
+        del folded
+    finally:
+        os.environ.pop("PDSERVE_FOLD_NORMS")
+    gc.collect()
+    rows.append((f"{label} batch-1 decode, {ctx} ctx, norms folded into the GEMV: step ms (default ms); "
+                 f"32 greedy tokens equal: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
+    print(rows[-1], flush=True)
+
+
 def kernel_time(fn, iters: int = 20) -> float:
     """Seconds of device time per call of fn: the durations of the kernels it launches, as the profiler
     records them. Unlike a host or event timing of calls launched from Python, this does not grow when the
@@ -711,6 +737,7 @@ def main() -> None:
         rows.append((f"{bn} batch-1 decode, {ctx1} ctx: step ms without PDL (with PDL)", t_nopdl * 1e3,
                      t_bf16 * 1e3, t_nopdl / t_bf16, "(for comparison)"))
         print(rows[-1], flush=True)
+    fold_row(e, big, bn, t_bf16, rows, ctx1, steps)
     if args.smoke:  # the timing path itself, on whatever backend there is
         print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:
@@ -759,7 +786,9 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     small = build(load("qwen2.5-0.5b.json"), device, dtype)
-    batch1_row(engine_for(small, fast, 8192, device, dtype), small, sn, ">= 0.60")
+    e = engine_for(small, fast, 8192, device, dtype)
+    fold_row(e, small, sn, batch1_row(e, small, sn, ">= 0.60"), rows, ctx1, steps)
+    del e
     if device.type == "cuda":
         t, td, copy, exact = cuda_ipc_row()
         rows.append((f"cuda_ipc, 4096 tokens of 8B KV, scattered, into another process: device ms of the send "

@@ -20,3 +20,9 @@ class Env:
     def pdl() -> bool:
         """Launch the decode kernels with programmatic dependent launch on Hopper+ (PDSERVE_PDL, default 1)."""
         return os.environ.get("PDSERVE_PDL", "1") != "0"
+
+    @staticmethod
+    def fold_norms() -> bool:
+        """One-token decode steps on a GPU fold each RMSNorm and residual add into the neighbouring projections'
+        GEMV (PDSERVE_FOLD_NORMS=1; off by default until its speed is measured on a GPU)."""
+        return os.environ.get("PDSERVE_FOLD_NORMS", "0") == "1"

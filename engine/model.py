@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.env import Env
 from engine.parallel import TensorParallel
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 from kernels.gemv import available as gemv_available
@@ -94,7 +95,13 @@ class Linear(nn.Linear):
     kernel has finished (PDL), which cuBLAS cannot do inside our graph, and never splits K into a second
     reduction kernel. `act="silu_mul"` applies SiLU-and-mul to the input first, fused into the GEMV."""
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: str | None = None, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`norm` and `residual` (one token; CausalLM.folds decided the GEMV runs): project norm(x), or add the
+        projection to `residual` in place and return it (kernels/gemv.py)."""
+        if norm is not None or residual is not None:
+            return gemv(x, self.weight, bias=self.bias, act=act, norm=norm and (norm.weight, norm.eps),
+                        residual=residual)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, act=act)
         if act == "silu_mul":
@@ -115,10 +122,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, attn, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`norm`/`residual`: the folded one-token path (DecoderLayer.forward_folded)."""
         c = self.config
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+        qk, v = self.qkv_proj(x, norm=norm).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
         qk = qk.view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
@@ -126,6 +135,8 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Rope on q and k heads together, fused with storing k and v where a kernel is available.
         out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
+        if residual is not None:
+            return self.o_proj(out.reshape(n, c.q_size), residual=residual)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
 
 
@@ -137,7 +148,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        if residual is not None:  # the folded one-token path
+            return self.down_proj(self.gate_up_proj(x, norm=norm), act="silu_mul", residual=residual)
         return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x), act="silu_mul"))
 
 
@@ -155,6 +168,12 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos_sin, attn)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
+
+    def forward_folded(self, stream: torch.Tensor, cos_sin, attn) -> None:
+        """One token, one GPU: the norms fold into qkv_proj and gate_up_proj, the residual adds into o_proj and
+        down_proj, which update `stream` in place; four kernels for the projections, none for the norms."""
+        self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream)
+        self.mlp(stream, norm=self.post_attention_layernorm, residual=stream)
 
 
 class CausalLM(nn.Module):
@@ -178,10 +197,26 @@ class CausalLM(nn.Module):
         """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
         x = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        if self.folds(x):
+            # x is the embedding lookup's own tensor, so it can carry the residual stream in place.
+            for layer in self.layers:
+                layer.forward_folded(x, cos_sin, attn)
+            return self.norm.add_norm(x, None)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos_sin, attn)
         return self.norm.add_norm(x, residual)[0]
+
+    # Whether one-token steps fold the norms and residual adds into the projections' GEMV
+    # (DecoderLayer.forward_folded): None follows PDSERVE_FOLD_NORMS on a GPU; True/False force it (tests).
+    fold_norms: bool | None = None
+
+    def folds(self, x: torch.Tensor) -> bool:
+        if x.shape[0] != 1 or self.tp.size != 1:
+            return False
+        if self.fold_norms is not None:
+            return self.fold_norms
+        return gemv_available(x) and Env.fold_norms()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

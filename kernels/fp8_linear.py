@@ -46,8 +46,13 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.out_features, self.in_features = linear.weight.shape
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """act="silu_mul": SiLU-and-mul on x first (fused into the one-token kernel)."""
+    def forward(self, x: torch.Tensor, act: str | None = None, norm=None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """act="silu_mul": SiLU-and-mul on x first (fused into the one-token kernel); `norm` (an RMSNorm) and
+        `residual`: the folded one-token path, as engine.model.Linear takes them."""
+        if norm is not None or residual is not None:
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act,
+                        norm=norm and (norm.weight, norm.eps), residual=residual)
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
         if act == "silu_mul":

@@ -10,6 +10,11 @@ same kernel reads half the bytes for `--quantization fp8`.
 
 `act="silu_mul"` takes x as [1, 2K] (gate, up) and multiplies by silu(gate) * up, rounded as the separate
 kernel rounds it: down_proj and its activation in one launch.
+
+The residual stream can fold into the projections on either side of it, so that a layer has no norm kernels
+of its own: `norm=(weight, eps)` takes x as the residual stream and projects rmsnorm(x) * weight (each
+program reads the whole token once to find its scale, rounding as kernels/fused.py does), and `residual=r`
+adds the projection to r in place (rounded to r's dtype, as the separate add is) and returns r.
 """
 
 from __future__ import annotations
@@ -36,18 +41,25 @@ def available(x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, act: str | None = None, launch: tuple | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, act: str | None = None, launch: tuple | None = None,
+         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype.
-    `launch` overrides config() (bench/gpu.py --tune-gemv)."""
+    `norm` and `residual`: see the module's docstring. `launch` overrides config() (bench/gpu.py --tune-gemv)."""
     n, k = w.shape
     width = 2 * k if act == "silu_mul" else k
-    if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, act {act!r}")
+    if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1 or (act and norm):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, act {act!r}, "
+                         f"norm {norm is not None}")
+    if residual is not None and (residual.shape != (1, n) or not residual.is_contiguous()):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} for an output of {n}")
     x = x.contiguous()
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    args = (x, w, scale if scale is not None else w, bias if bias is not None else w, out, n, k, w.stride(0))
-    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=ACTS[act])
+    norm_w, eps = norm if norm is not None else (w, 0.0)
+    args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
+            w.stride(0), eps)
+    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=2 if norm is not None else ACTS[act],
+                 ADD_TO_OUT=residual is not None, BLOCK_X=triton.next_power_of_2(k) if norm is not None else 1)
     if x.is_cuda:
         on = pdl.enabled(x)
         bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size())
@@ -71,18 +83,23 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2) -> tuple
 
 if triton is not None:
     @triton.jit
-    def _load_x(X, kk, K, ACT: tl.constexpr):
+    def _load_x(X, NW, kk, K, rstd, ACT: tl.constexpr):
         if ACT == 1:  # silu(gate) * up, each product rounded to the activation dtype as silu_and_mul does
             g = tl.load(X + kk, mask=kk < K, other=0.0)
             u = tl.load(X + K + kk, mask=kk < K, other=0.0)
             gf = g.to(tl.float32)
             s = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
             return (s * u).to(tl.float32)
+        if ACT == 2:  # rmsnorm(x) * weight, rounded as the add + rmsnorm kernel rounds it
+            x = tl.load(X + kk, mask=kk < K, other=0.0)
+            nw = tl.load(NW + kk, mask=kk < K, other=0.0)
+            return (nw * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
         return tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(X, W, SCALE, BIAS, OUT, N, K, stride_wn, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, HAS_SCALE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_X: tl.constexpr,
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -93,9 +110,15 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        rstd = 1.0
+        if ACT == 2:
+            # The whole token in one load (one round trip to L2, not one per K slice) for its scale.
+            cols = tl.arange(0, BLOCK_X)
+            xs = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = _load_x(X, k0 + rk, K, ACT)
+            x = _load_x(X, NW, k0 + rk, K, rstd, ACT)
             nk = k0 + BLOCK_K + rk
             w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
@@ -105,4 +128,10 @@ if triton is not None:
             y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:
             y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
+        y = y.to(OUT.dtype.element_ty)
+        if ADD_TO_OUT:
+            # The residual add, rounded to the stream's dtype as the separate add is. Each program reads and
+            # writes only its own rows, so updating in place is safe.
+            r = tl.load(OUT + rn, mask=rn < N, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+        tl.store(OUT + rn, y, mask=rn < N)

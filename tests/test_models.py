@@ -88,6 +88,25 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models):
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, tiny_models,
+                                                                                   monkeypatch):
+    """The GPU's batch-1 path (engine.model.DecoderLayer.forward_folded: no norm kernels, residual adds in
+    the projections' GEMV), run here by the Triton interpreter."""
+    pytest.importorskip("triton")
+    from engine.model import CausalLM
+
+    monkeypatch.setattr(CausalLM, "fold_norms", True)
+    path, hf = tiny_models[family]
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
+    seen = record_logits(engine)
+    (req,) = run(engine, [PROMPTS[0]], steps=6)
+    full = req.prompt_ids + req.output_ids
+    ref = hf_logits(hf, full)[len(req.prompt_ids) - 1: len(full) - 1]
+    assert rel_err(torch.stack(seen[req.rid]), ref) < 1e-4
+    assert_pool_clean(engine)
+
+
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama, tmp_path):
     import os
 

@@ -210,3 +210,32 @@ def test_gemv_with_silu_mul_is_down_proj_of_the_separate_activation(dtype):
     with pytest.raises(ValueError):
         gemv(h[:, :300], w, act="silu_mul")  # the input must hold both halves
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemv_folds_the_norm_before_and_the_residual_add_after(dtype):
+    """norm=: the projection of rmsnorm(stream); residual=: stream += projection, in place, rounded as the
+    separate add + rmsnorm kernel rounds."""
+    from kernels.fused import add_rms_norm
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(7)
+    w_in = (torch.randn(70, 300, generator=g) * 0.05).to(dtype)
+    w_out = (torch.randn(300, 70, generator=g) * 0.05).to(dtype)
+    norm_w = (torch.rand(300, generator=g) + 0.5).to(dtype)
+    stream = torch.randn(1, 300, generator=g).to(dtype)
+    tol = 1e-2 if dtype != torch.float32 else 1e-5
+
+    h, _ = add_rms_norm(stream, None, norm_w, 1e-6, fused=False)
+    got = gemv(stream, w_in, norm=(norm_w, 1e-6))
+    assert close(got.float(), (h.float() @ w_in.float().t()), tol)
+
+    a = torch.randn(1, 70, generator=g).to(dtype)
+    expect = gemv(a, w_out) + stream  # the separate projection, then the separate add
+    r = stream.clone()
+    assert gemv(a, w_out, residual=r) is r
+    assert torch.equal(r, expect)
+    with pytest.raises(ValueError):
+        gemv(a, w_out, residual=torch.zeros(1, 71, dtype=dtype))
+    with pytest.raises(ValueError):
+        gemv(torch.randn(1, 140, generator=g).to(dtype), w_in[:, :70], act="silu_mul", norm=(norm_w, 1e-6))
