@@ -514,21 +514,32 @@ def greedy_tokens(engine: Engine, ctx: int, n: int) -> list[int]:
     return req.output_ids
 
 
-def fold_row(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int) -> None:
-    """The batch-1 step with the norms folded into the projections (PDSERVE_FOLD_NORMS=1, engine/model.py)
-    against `engine`, the default: step time, and whether 32 greedy tokens agree."""
-    os.environ["PDSERVE_FOLD_NORMS"] = "1"
-    try:
-        folded = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
-        t = decode_step_time(folded, 1, ctx, steps)
-        same = greedy_tokens(folded, ctx, 32) == greedy_tokens(engine, ctx, 32)
-        del folded
-    finally:
-        os.environ.pop("PDSERVE_FOLD_NORMS")
-    gc.collect()
-    rows.append((f"{label} batch-1 decode, {ctx} ctx, norms folded into the GEMV: step ms (default ms); "
-                 f"32 greedy tokens equal: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
-    print(rows[-1], flush=True)
+def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int) -> None:
+    """The batch-1 step with each optional fusion (off by default until measured) against `engine`, the
+    default: step time, and whether 32 greedy tokens agree with the default's."""
+    from kernels.attention.triton_backend import TritonBackend
+
+    variants = [("norms folded into the GEMV (PDSERVE_FOLD_NORMS=1)", True, False),
+                ("attention merged in the split kernel", False, True),
+                ("both", True, True)]
+    base = greedy_tokens(engine, ctx, 32)
+    for name, fold, merge in variants:
+        if merge and engine.args.attention_backend != "triton":
+            continue
+        os.environ["PDSERVE_FOLD_NORMS"] = "1" if fold else "0"
+        TritonBackend.merge_in_split = merge
+        try:
+            e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
+            t = decode_step_time(e, 1, ctx, steps)
+            same = greedy_tokens(e, ctx, 32) == base
+            del e
+        finally:
+            os.environ.pop("PDSERVE_FOLD_NORMS")
+            TritonBackend.merge_in_split = False
+        gc.collect()
+        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
+                     f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
+        print(rows[-1], flush=True)
 
 
 def kernel_time(fn, iters: int = 20) -> float:
@@ -737,7 +748,7 @@ def main() -> None:
         rows.append((f"{bn} batch-1 decode, {ctx1} ctx: step ms without PDL (with PDL)", t_nopdl * 1e3,
                      t_bf16 * 1e3, t_nopdl / t_bf16, "(for comparison)"))
         print(rows[-1], flush=True)
-    fold_row(e, big, bn, t_bf16, rows, ctx1, steps)
+    variant_rows(e, big, bn, t_bf16, rows, ctx1, steps)
     if args.smoke:  # the timing path itself, on whatever backend there is
         print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:
@@ -787,7 +798,7 @@ def main() -> None:
 
     small = build(load("qwen2.5-0.5b.json"), device, dtype)
     e = engine_for(small, fast, 8192, device, dtype)
-    fold_row(e, small, sn, batch1_row(e, small, sn, ">= 0.60"), rows, ctx1, steps)
+    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60"), rows, ctx1, steps)
     del e
     if device.type == "cuda":
         t, td, copy, exact = cuda_ipc_row()

@@ -66,17 +66,37 @@ def close(a, b, tol):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests", "merged-in-split"])
 def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
 
     if regime == "many-requests":  # the launch settings of large batches (TritonBackend.decode_large)
         monkeypatch.setattr(TritonBackend, "target_programs", 1)
+    if regime == "merged-in-split":  # the last split of a group merges, no second kernel
+        monkeypatch.setattr(TritonBackend, "merge_in_split", True)
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
     outs = run(cfg, prefix, [1] * len(prefix), layout=layout)
     assert close(outs["triton"][0], outs["torch"][0], 1e-4)
     assert torch.equal(outs["triton"][1], outs["torch"][1]), "both store the new K/V identically"
+
+
+def test_split_merge_counters_are_left_zeroed_for_the_next_layer(monkeypatch):
+    from kernels.attention.triton_backend import TritonBackend
+
+    monkeypatch.setattr(TritonBackend, "merge_in_split", True)
+    cfg = config()
+    pool = KVPool(96, PAGE, 2, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", "NHD")
+    pool.data.normal_()
+    x = batch(pool, [300, 40, 7], [1, 1, 1], torch.Generator().manual_seed(3))
+    backend = create_backend("triton", pool, cfg)
+    step = backend.plan(x)
+    q = torch.randn(3, cfg.num_attention_heads, cfg.head_dim)
+    first = [step.attend(q, layer) for layer in (0, 1)]
+    assert not backend.split_counts(1).any()
+    assert all(torch.equal(a, step.attend(q, layer)) for layer, a in zip((0, 1), first))
+    ref = create_backend("torch", pool, cfg).plan(x)
+    assert close(first[1], ref.attend(q, 1), 1e-4)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
