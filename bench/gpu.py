@@ -100,14 +100,21 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
+def prefill_steps(engine: Engine, batch: int, ctx: int) -> int:
+    """Steps until the last of `batch` prompts of `ctx` tokens is prefilled. The first requests decode all
+    the while, so their token budget must cover these steps too, or they finish while the batch is timed."""
+    return -(-batch * ctx // (engine.args.chunked_prefill_size or 8192)) + 2
+
+
 def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int) -> float:
     """Seconds per decode step with `batch` requests at about `ctx` tokens of context."""
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8 + prefill_steps(engine, batch, ctx), ignore_eos=True)
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):  # prefill all
         engine.step()
     t = timed(engine.step, steps, warmup=2)
+    assert not any(r.finished for r in reqs), "every request must run through the timed steps"
     for r in reqs:
         engine.abort(r.rid)
     return t
@@ -116,7 +123,8 @@ def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int) -> float:
 def step_phases(engine: Engine, batch: int, ctx: int, steps: int) -> dict:
     """Where a decode step's time goes: host phases, and the forward alone (graph replay or eager)."""
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps * 4 + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps * 4 + 8 + prefill_steps(engine, batch, ctx),
+                            ignore_eos=True)
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):
         engine.step()
@@ -254,7 +262,7 @@ def profile_step(engine: Engine, batch: int, ctx: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16 + prefill_steps(engine, batch, ctx), ignore_eos=True)
     reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
     while any(r.num_output < 2 for r in reqs):
         engine.step()
@@ -262,6 +270,7 @@ def profile_step(engine: Engine, batch: int, ctx: int) -> None:
         for _ in range(3):
             engine.step()
         sync()
+    assert not any(r.finished for r in reqs), "every request must run through the profiled steps"
     kernels = sum(e.count for e in prof.key_averages() if getattr(e, "device_type", None) is not None
                   and "CUDA" in str(e.device_type))
     print(f"  device ops per eager step (incl. copies): {kernels / 3:.0f}", flush=True)
