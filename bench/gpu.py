@@ -76,7 +76,7 @@ def engine_for(model, backend: str, tokens: int | None, device, dtype, chunk=819
     args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                       max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
                       disable_radix_cache=True, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
-                      cuda_graph_max_context=4096, kv_cache_dtype=kv, mem_fraction_static=mem_fraction,
+                      kv_cache_dtype=kv, mem_fraction_static=mem_fraction,
                       quantization=quantization, kv_layout=layout)
     return Engine(args, model=model)
 
@@ -598,8 +598,8 @@ def tune_decode(device, dtype, smoke: bool) -> None:
     current = TritonBackend.decode_large
     if smoke:  # the small batch would pick decode_small; time the large settings all the same
         TritonBackend.target_programs = 1
-    grid = [current] + [DecodeLaunch(bn, w, st, ch) for bn in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5)
-                        for ch in (512, 1024, 2048)]
+    grid = [current] + [DecodeLaunch(bn, w, st, ch, mc) for bn in (32, 64, 128) for w in (4, 8) for st in (3, 4, 5)
+                        for ch in (512, 1024, 2048) for mc in (256, 512)]
     grid = list(dict.fromkeys(grid))
     times, flash = {}, None
     try:

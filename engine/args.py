@@ -53,10 +53,11 @@ class EngineArgs:
     tp_size: int = 1
     tp_rank: int = 0
     dist_init_addr: str | None = None
-    # CUDA graphs for decode steps (GPU, triton backend): off switch, largest batch, longest context.
+    # CUDA graphs for decode steps (GPU, triton backend): off switch, largest batch, longest context (None:
+    # the model's context length; a step with a longer context runs eagerly, several times slower).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160
-    cuda_graph_max_context: int = 8192
+    cuda_graph_max_context: int | None = None
     # Run each step synchronously instead of launching step N+1 before reading back step N's tokens.
     disable_overlap_schedule: bool = False
     # "auto": the checkpoint's weights; "dummy": random weights of the checkpoint's shapes (config.json and
@@ -68,7 +69,8 @@ class EngineArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name in ("max_total_tokens", "context_length", "chunked_prefill_size", "max_running_requests"):
+        for name in ("max_total_tokens", "context_length", "chunked_prefill_size", "max_running_requests",
+                     "cuda_graph_max_bs", "cuda_graph_max_context"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -161,7 +163,7 @@ class EngineArgs:
         p.add_argument("--dist-init-addr", default=None)
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--cuda-graph-max-bs", type=int, default=160)
-        p.add_argument("--cuda-graph-max-context", type=int, default=8192)
+        p.add_argument("--cuda-graph-max-context", type=int, default=None)
         p.add_argument("--disable-overlap-schedule", action="store_true")
         p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
 

@@ -81,6 +81,26 @@ def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     assert torch.equal(outs["triton"][1], outs["torch"][1]), "both store the new K/V identically"
 
 
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
+def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, monkeypatch):
+    """A CUDA graph plans its splits for the longest context it may replay; shorter ones leave splits empty."""
+    import dataclasses
+
+    from kernels.attention.triton_backend import TritonBackend
+
+    if regime == "many-requests":
+        monkeypatch.setattr(TritonBackend, "target_programs", 1)
+    cfg = config()
+    pool = KVPool(96, PAGE, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", "NHD")
+    pool.data.normal_()
+    x = batch(pool, [600, 5, 300, 17], [1, 1, 1, 1], torch.Generator().manual_seed(4))
+    q = torch.randn(4, cfg.num_attention_heads, cfg.head_dim)
+    ref = create_backend("torch", pool, cfg).plan(x).attend(q, 0)
+    step = create_backend("triton", pool, cfg).plan(dataclasses.replace(x, max_seq_len=131072))
+    assert step.splits > 8
+    assert close(step.attend(q, 0), ref, 1e-4)
+
+
 def test_split_merge_counters_are_left_zeroed_for_the_next_layer(monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
 

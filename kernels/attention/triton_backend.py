@@ -32,8 +32,8 @@ def _decode_split_kernel(
     stride_lb, stride_lh, stride_b, stride_h,
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -47,9 +47,10 @@ def _decode_split_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
-    # Each request's own KV range is cut into the S splits, so every split has work whatever the context
-    # (the split count is fixed at plan time, and a CUDA graph replays it for any length).
-    chunk = tl.cdiv(seq_len - lo, S)
+    # Each request's own KV range is cut into at most S splits of at least MIN_CHUNK tokens: S is fixed at
+    # plan time for the longest context a CUDA graph may replay, and a shorter context leaves the last
+    # splits empty rather than cutting its KV into slivers.
+    chunk = tl.maximum(tl.cdiv(seq_len - lo, S), MIN_CHUNK)
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     g = tl.arange(0, BLOCK_G)
@@ -193,12 +194,13 @@ def _prefill_kernel(
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages, and
-    the longest split (long contexts are cut into splits of at most this many tokens)."""
+    """Launch parameters of the decode kernel: KV tokens per inner step, warps, software-pipeline stages; the
+    longest split the plan aims for, and the shortest split the kernel cuts (see _decode_split_kernel)."""
     block_n: int
     warps: int
     stages: int
     max_chunk: int
+    min_chunk: int
 
 
 class TritonBackend(AttentionBackend):
@@ -206,10 +208,15 @@ class TritonBackend(AttentionBackend):
     # to fill the SMs: 32-token tiles, 3 stages (the batch-1 rows of benchmarks.md, run N). Many requests
     # stream long splits: 64-token tiles, 4 stages, splits of up to 1024 tokens took the batch-64, 2k-context
     # 8B step from 11.52 ms to 10.95 ms (run O, `python -m bench.gpu --batch64`).
-    decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256)
-    decode_large = DecodeLaunch(block_n=64, warps=4, stages=4, max_chunk=1024)
+    # A split is at least one tile for few requests (one tile a program at short contexts) and at least 512
+    # tokens for many (the 4 splits of 513 tokens that run O's batch-64, 2k-context graph used).
+    decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32)
+    decode_large = DecodeLaunch(block_n=64, warps=4, stages=4, max_chunk=1024, min_chunk=512)
     target_programs = 256  # programs to aim for: a few per SM
     max_splits = 64
+    # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
+    # planned for a long context stay small however large the batch.
+    max_programs = 16384
     # The last split of each (request, KV head) merges the splits itself instead of a second kernel: one
     # launch fewer per layer. Off until measured on a GPU (bench/gpu.py compares both).
     merge_in_split = False
@@ -240,11 +247,12 @@ class _TritonStep(AttentionStep):
         self.group = c.num_attention_heads // c.num_key_value_heads
         self.write_index = self.pool.slot_index(x.out_pages, x.out_offsets)
         # Splits: enough programs (batch x kv heads x splits) to fill the GPU several times over, and splits of
-        # at most max_chunk tokens for long contexts; never more than there are BLOCK_N tiles to share.
+        # at most max_chunk tokens for long contexts; never more than min_chunk-token splits can use.
         programs = x.batch_size * c.num_key_value_heads
         self.launch = launch = backend.decode_small if programs < backend.target_programs else backend.decode_large
         want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, launch.max_chunk))
-        self.splits = max(1, min(want, backend.max_splits, triton.cdiv(x.max_seq_len, launch.block_n)))
+        self.splits = max(1, min(want, backend.max_splits, backend.max_programs // programs,
+                                 triton.cdiv(x.max_seq_len, launch.min_chunk)))
         self.counts = backend.split_counts(programs) if x.is_decode and backend.merge_in_split else None
 
     def attend(self, q, layer_id):
@@ -270,7 +278,8 @@ class _TritonStep(AttentionStep):
                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
-                D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, PRECISION=precision,
+                D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
+                PRECISION=precision,
                 PDL=on, MERGE=merge, BLOCK_S=max(2, triton.next_power_of_2(self.splits)),
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
