@@ -758,6 +758,13 @@ def main() -> None:
                      t_bf16 * 1e3, t_nopdl / t_bf16, "(for comparison)"))
         print(rows[-1], flush=True)
     variant_rows(e, big, bn, t_bf16, rows, ctx1, steps)
+    # A long context: the decode graphs are planned for the model's whole context, so this replays one too.
+    ctx_long = 512 if args.smoke else 32768
+    t = decode_step_time(e, 1, ctx_long, steps)
+    need = (weight_bytes(big) + kv_bytes(big, ctx_long, dtype)) / ceil["copy_bw"]
+    rows.append((f"{bn} batch-1 decode, {ctx_long} ctx: step ms (roofline ms)", t * 1e3, need * 1e3, need / t,
+                 "(for comparison)"))
+    print(rows[-1], flush=True)
     if args.smoke:  # the timing path itself, on whatever backend there is
         print(f"  attention times: {attention_times(e, [fast], batch, ctx2, 2)}", flush=True)
     if "flashinfer" in backends:
