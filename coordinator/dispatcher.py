@@ -22,8 +22,8 @@ import zmq.asyncio
 
 from coordinator.registry import MemoryRegistry, Registry
 from engine.outbox import Outbox
-from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, Prefill, Rejected, TokenBatch,
-                             TokenDelta, WorkerInfo, decode)
+from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, PeerLeft, Prefill, Rejected,
+                             TokenBatch, TokenDelta, WorkerInfo, decode)
 from transfer import agree
 
 logger = logging.getLogger(__name__)
@@ -189,12 +189,17 @@ class Dispatcher:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            before = set(self.workers)
             try:
                 alive = await asyncio.to_thread(self.refresh) if not isinstance(self.registry, MemoryRegistry) \
                     else self.refresh()
             except Exception as e:
                 logger.warning("registry unreachable: %s", e)
                 continue
+            for gone in before - set(alive):
+                logger.warning("worker %s left the registry", gone)
+                for w in alive.values():
+                    self._send(w.ctrl_addr, PeerLeft(gone))
             for t in list(self.requests.values()):
                 if t.done:
                     continue

@@ -38,6 +38,8 @@ class _WorkerCollector:
             "usage": GaugeMetricFamily("pdserve_kv_pool_usage_ratio", "Share of KV pages in use (cached excluded)",
                                        labels=labels),
             "cached": GaugeMetricFamily("pdserve_kv_cached_pages", "KV pages held by the prefix cache", labels=labels),
+            "peers": GaugeMetricFamily("pdserve_kv_transfer_peers", "Peers the KV transfer engines hold mappings "
+                                       "or connections for", labels=labels),
         }
         c = {
             "hit": CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
@@ -60,6 +62,7 @@ class _WorkerCollector:
             used = ld.total_pages - ld.free_pages - ld.cached_pages
             g["usage"].add_metric(lv, used / ld.total_pages if ld.total_pages else 0.0)
             g["cached"].add_metric(lv, ld.cached_pages)
+            g["peers"].add_metric(lv, ld.transfer_peers)
             c["hit"].add_metric(lv, ld.prefix_hit_tokens)
             c["query"].add_metric(lv, ld.prefix_query_tokens)
             c["tbytes"].add_metric(lv, ld.transfer_bytes)

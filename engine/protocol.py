@@ -5,7 +5,8 @@ Flow of one disaggregated request (each arrow one message, PUSH -> PULL sockets)
     coordinator --Prefill--> prefill --(KV pages over the transfer engine, then KVReady)--> decode
     decode --TokenBatch (one per step, all its requests)--> coordinator
 A colocated worker takes Generate instead of Allocate + Prefill. Abort goes to every worker holding the
-request. Workers report themselves with Heartbeat (to the coordinator, or to Redis).
+request. Workers report themselves with Heartbeat (to the coordinator, or to Redis); when one leaves the
+registry, the coordinator tells the others with PeerLeft.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class WorkerLoad(msgspec.Struct):
     transfer_seconds: float = 0.0
     transfer_count: int = 0
     transfer_failures: int = 0
+    transfer_peers: int = 0  # peers the transfer engines hold connections or mappings for
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -127,6 +129,13 @@ class Abort(msgspec.Struct, tag=True):
     rid: str
 
 
+class PeerLeft(msgspec.Struct, tag=True):
+    """Coordinator -> workers: this worker left the registry; release what the transfer engines hold for it
+    (a CUDA IPC mapping keeps the dead worker's whole KV pool allocated)."""
+
+    worker_id: str
+
+
 class TokenDelta(msgspec.Struct):
     rid: str
     token_ids: list[int]
@@ -143,7 +152,7 @@ class TokenBatch(msgspec.Struct, tag=True):
     items: list[TokenDelta]
 
 
-Message = Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | TokenBatch
+Message = Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | TokenBatch
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

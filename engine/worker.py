@@ -21,7 +21,7 @@ import zmq
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.outbox import Outbox
-from engine.protocol import Heartbeat, KVLayout, WorkerInfo, WorkerLoad, decode, encode
+from engine.protocol import Heartbeat, KVLayout, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
 from transfer import available_backends, create_transfer
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ class Worker:
             total_pages=s["total_pages"], prefix_query_tokens=s["prefix_query_tokens"],
             prefix_hit_tokens=s["prefix_hit_tokens"], retracted=s["retracted"],
             transfer_bytes=sum(t.bytes for t in tstats), transfer_seconds=sum(t.seconds for t in tstats),
-            transfer_count=sum(t.count for t in tstats), transfer_failures=sum(t.failures for t in tstats))
+            transfer_count=sum(t.count for t in tstats), transfer_failures=sum(t.failures for t in tstats),
+            transfer_peers=sum(t.peers_held() for t in self.transfers.values()))
         p = e.pool
         return WorkerInfo(
             worker_id=self.worker_id, role=self.args.role, host=self.args.host, ctrl_addr=self.ctrl_addr,
@@ -136,7 +137,10 @@ class Worker:
             except zmq.Again:
                 break
             msg = decode(raw)
-            if msg is not None:
+            if isinstance(msg, PeerLeft):
+                for t in self.transfers.values():
+                    t.drop_peer(msg.worker_id)
+            elif msg is not None:
                 self.role.handle(msg)
         self.role.poll_transfers()
         if self.engine.has_work():

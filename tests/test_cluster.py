@@ -179,6 +179,19 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
                 assert events[-1] == "data: [DONE]" and "error" in events[-2]
         assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
 
+        # The prefill workers let go of the dead decode worker (the coordinator's PeerLeft): once both have
+        # sent to the survivor, each holds that one peer alone, not a connection or mapping to the dead one.
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: generate(c, p)["output_ids"], PROMPTS[:4]))
+        assert outs == reference["ids"][:4]
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            peers = [w["load"]["transfer_peers"] for w in c.workers() if w["role"] == "prefill"]
+            if peers == [1, 1]:
+                break
+            time.sleep(0.2)
+        assert peers == [1, 1], peers
+
         # The same for a prefill worker.
         victim = next(w for w, role in c.roles.items() if role == "prefill")
         t_kill = time.time()

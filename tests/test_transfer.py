@@ -106,3 +106,31 @@ def test_cuda_ipc_only_between_processes_of_one_machine():
     assert agree(here, dict(here)) == "cuda_ipc"
     assert agree(here, there) == "tcp"
     assert agree(here, there, "cuda_ipc") is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_peer_that_restarts_under_the_same_id_gets_its_pages_and_a_dropped_peer_is_released(name):
+    a, b = pools()
+    tx = create_transfer(name, a, "p", "127.0.0.1")
+    old = create_transfer(name, b, "d", "127.0.0.1")
+    old.expect("r1", [3])
+    tx.send("r1", "d", old.endpoint(), [1], [3], encode(KVReady("r1", 1)))
+    got, sent = wait_received(old, tx)
+    assert [r for r, _ in got] == ["r1"] and sent[0].ok
+    old.close()
+
+    # The same worker id, a new process: new pool, new endpoint. The sender must not reuse the old connection.
+    fresh = KVPool(64, 16, 3, 2, 32, torch.float32, "cpu")
+    new = create_transfer(name, fresh, "d", "127.0.0.1")
+    new.expect("r2", [4])
+    tx.send("r2", "d", new.endpoint(), [2], [4], encode(KVReady("r2", 2)))
+    got, sent = wait_received(new, tx)
+    assert [r for r, _ in got] == ["r2"] and sent[0].ok
+    assert torch.equal(fresh.data[:, 4], a.data[:, 2])
+    assert tx.peers_held() == 1
+
+    tx.drop_peer("d")
+    assert tx.peers_held() == 0
+    tx.drop_peer("d")  # a second notice of the same departure is harmless
+    tx.close()
+    new.close()

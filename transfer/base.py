@@ -75,7 +75,12 @@ class TransferEngine(ABC):
         return []
 
     def drop_peer(self, peer_id: str) -> None:
-        """A peer left: release what this engine keeps for it."""
+        """A peer left: release what this engine keeps for it. A peer whose endpoint changes under the same id
+        (a restarted worker) is dropped and reconnected on the next send."""
+
+    def peers_held(self) -> int:
+        """Peers this engine keeps connections, mappings or descriptors for."""
+        return 0
 
     def close(self) -> None:
         pass

@@ -96,7 +96,7 @@ class CudaIpcTransfer(TransferEngine):
         self.rx.setsockopt(zmq.LINGER, 0)
         self.rx.bind(f"tcp://{host}:*")
         self.addr = self.rx.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.peers: dict[str, tuple[torch.Tensor, zmq.Socket]] = {}
+        self.peers: dict[str, tuple[torch.Tensor, zmq.Socket, bytes]] = {}  # mapped pool, notices, endpoint
         self.graphs: dict[tuple[str, int], _CopyGraph] = {}
         self.pending: list[tuple[str, torch.cuda.Event, bytes, zmq.Socket, float, int]] = []
         self.done: list[SendResult] = []
@@ -111,6 +111,8 @@ class CudaIpcTransfer(TransferEngine):
         return [self.rx]
 
     def _peer(self, peer_id: str, endpoint: bytes):
+        if peer_id in self.peers and self.peers[peer_id][2] != endpoint:  # the peer restarted under the same id
+            self.drop_peer(peer_id)
         if peer_id not in self.peers:
             ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
             if ep.machine != machine_id():
@@ -124,8 +126,8 @@ class CudaIpcTransfer(TransferEngine):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(ep.notify_addr)
-            self.peers[peer_id] = (remote, sock)
-        return self.peers[peer_id]
+            self.peers[peer_id] = (remote, sock, endpoint)
+        return self.peers[peer_id][:2]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
         t0 = now()
@@ -169,8 +171,8 @@ class CudaIpcTransfer(TransferEngine):
             try:  # the pages are in place: tell the receiver
                 sock.send_multipart([rid.encode(), notify], flags=zmq.NOBLOCK)
                 self.done.append(self._record(SendResult(rid, True, nbytes=nbytes, seconds=now() - t0)))
-            except zmq.Again:
-                self.done.append(self._record(SendResult(rid, False, "cuda_ipc: receiver not taking notices")))
+            except zmq.ZMQError as e:  # not taking notices (Again), or gone
+                self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: notice not sent: {e}")))
         self.pending = still
         out, self.done = self.done, []
         return out
@@ -191,12 +193,29 @@ class CudaIpcTransfer(TransferEngine):
             if len(frames) == 2:
                 out.append((frames[0].decode(errors="replace"), frames[1]))
 
+    def peers_held(self):
+        return len(self.peers)
+
     def drop_peer(self, peer_id):
+        """Unmap the peer's pool, which frees it on the GPU if its process is gone. Copies into it that may
+        still run are waited for first: unmapping under a running kernel would fault the whole context."""
         entry = self.peers.pop(peer_id, None)
-        for key in [k for k in self.graphs if k[0] == peer_id]:
-            del self.graphs[key]
-        if entry is not None:
-            entry[1].close(0)
+        graphs = [self.graphs.pop(k) for k in [k for k in self.graphs if k[0] == peer_id]]
+        if entry is None:
+            return
+        for g in graphs:
+            if g.last is not None:
+                g.last.synchronize()
+        sock = entry[1]
+        keep = []
+        for p in self.pending:
+            if p[3] is sock:
+                p[1].synchronize()
+                self.done.append(self._record(SendResult(p[0], False, f"cuda_ipc: peer {peer_id} left")))
+            else:
+                keep.append(p)
+        self.pending = keep
+        sock.close(0)
 
     def close(self):
         for peer in list(self.peers):

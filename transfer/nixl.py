@@ -69,8 +69,10 @@ class NixlTransfer(TransferEngine):
         self.block_bytes = pool.page_bytes // pool.num_layers
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._blocks(data.data_ptr(), pool.num_layers,
                                                 pool.num_pages, self.block_bytes, self.device_id), self.mem)
-        self.remotes: dict[str, tuple[str, object, _Endpoint]] = {}  # peer -> (agent name, dlist, endpoint)
-        self.pending: dict[str, tuple[object, float, int]] = {}  # rid -> (handle, start, bytes)
+        # peer -> (agent name, dlist, endpoint, the endpoint's bytes)
+        self.remotes: dict[str, tuple[str, object, _Endpoint, bytes]] = {}
+        self.pending: dict[str, tuple[object, float, int, str]] = {}  # rid -> (handle, start, bytes, peer)
+        self.leaving: set[str] = set()  # peers dropped while transfers to them were in flight
         self.done: list[SendResult] = []
         self.expected: set[str] = set()
 
@@ -86,6 +88,10 @@ class NixlTransfer(TransferEngine):
                                                 p.num_pages, self.block_bytes, self.mem, self.device_id, p.layout))
 
     def _remote(self, peer_id: str, endpoint: bytes):
+        if peer_id in self.remotes and self.remotes[peer_id][3] != endpoint:  # restarted under the same id
+            if self._busy(peer_id):
+                raise ValueError(f"peer {peer_id} restarted while transfers to it were in flight")
+            self.drop_peer(peer_id)
         if peer_id not in self.remotes:
             ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
             if ep.block_bytes != self.block_bytes or ep.num_layers != self.pool.num_layers or \
@@ -96,7 +102,7 @@ class NixlTransfer(TransferEngine):
                 name = name.decode()
             dl = self.agent.prep_xfer_dlist(name, self._blocks(ep.base, ep.num_layers, ep.num_pages, ep.block_bytes,
                                                                ep.device_id), ep.mem)
-            self.remotes[peer_id] = (name, dl, ep)
+            self.remotes[peer_id] = (name, dl, ep, endpoint)
         return self.remotes[peer_id]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
@@ -104,7 +110,7 @@ class NixlTransfer(TransferEngine):
         try:
             if len(src_pages) != len(dst_pages):
                 raise ValueError("page count mismatch")
-            _, remote_dl, ep = self._remote(peer_id, peer_endpoint)
+            _, remote_dl, ep, _ = self._remote(peer_id, peer_endpoint)
             layers = np.arange(self.pool.num_layers, dtype=np.int64)[:, None]
             local_idx = (layers * self.pool.num_pages + np.asarray(src_pages, dtype=np.int64)[None, :]).ravel()
             remote_idx = (layers * ep.num_pages + np.asarray(dst_pages, dtype=np.int64)[None, :]).ravel()
@@ -117,10 +123,10 @@ class NixlTransfer(TransferEngine):
         if state == "ERR":
             self.done.append(self._record(SendResult(rid, False, "nixl: transfer failed to post")))
             return
-        self.pending[rid] = (handle, t0, len(local_idx) * self.block_bytes)
+        self.pending[rid] = (handle, t0, len(local_idx) * self.block_bytes, peer_id)
 
     def poll_sent(self):
-        for rid, (handle, t0, nbytes) in list(self.pending.items()):
+        for rid, (handle, t0, nbytes, _) in list(self.pending.items()):
             state = self.agent.check_xfer_state(handle)
             if state == "PROC":
                 continue
@@ -129,6 +135,9 @@ class NixlTransfer(TransferEngine):
             ok = state == "DONE"
             self.done.append(self._record(SendResult(rid, ok, "" if ok else "nixl: transfer failed", nbytes,
                                                      now() - t0)))
+        for peer in [p for p in self.leaving if not self._busy(p)]:
+            self.leaving.discard(peer)
+            self._release(peer)
         out, self.done = self.done, []
         return out
 
@@ -154,10 +163,23 @@ class NixlTransfer(TransferEngine):
             got.append((msg.rid, bytes(m)))
         return got
 
+    def _busy(self, peer_id: str) -> bool:
+        return any(p[3] == peer_id for p in self.pending.values())
+
+    def peers_held(self):
+        return len(self.remotes)
+
     def drop_peer(self, peer_id):
+        # A transfer in flight still uses the peer's descriptors: release them once it has ended (poll_sent).
+        if self._busy(peer_id):
+            self.leaving.add(peer_id)
+        else:
+            self._release(peer_id)
+
+    def _release(self, peer_id: str) -> None:
         entry = self.remotes.pop(peer_id, None)
         if entry is not None:
-            name, dl, _ = entry
+            name, dl = entry[0], entry[1]
             try:
                 self.agent.release_dlist_handle(dl)
                 self.agent.remove_remote_agent(name)
@@ -166,4 +188,4 @@ class NixlTransfer(TransferEngine):
 
     def close(self):
         for peer in list(self.remotes):
-            self.drop_peer(peer)
+            self._release(peer)

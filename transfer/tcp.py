@@ -41,7 +41,7 @@ class TcpTransfer(TransferEngine):
         self.rx.setsockopt(zmq.MAXMSGSIZE, -1)
         self.rx.bind(f"tcp://{host}:*")
         self.addr = self.rx.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.peers: dict[str, zmq.Socket] = {}
+        self.peers: dict[str, tuple[bytes, zmq.Socket]] = {}  # peer id -> (its endpoint, our socket to it)
         self.expected: dict[str, list[int]] = {}
         self.done: list[SendResult] = []
         self._enc = msgspec.msgpack.Encoder()
@@ -54,14 +54,17 @@ class TcpTransfer(TransferEngine):
         return [self.rx]
 
     def _peer(self, peer_id: str, endpoint: bytes) -> zmq.Socket:
-        sock = self.peers.get(peer_id)
-        if sock is None:
+        entry = self.peers.get(peer_id)
+        if entry is not None and entry[0] != endpoint:  # the peer restarted under the same id
+            self.drop_peer(peer_id)
+            entry = None
+        if entry is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 64)
             sock.connect(endpoint.decode())
-            self.peers[peer_id] = sock
-        return sock
+            entry = self.peers[peer_id] = (endpoint, sock)
+        return entry[1]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
         t0 = now()
@@ -129,12 +132,15 @@ class TcpTransfer(TransferEngine):
         data.index_copy_(1, idx, src.to(data.device))
         return h.rid, h.notify
 
+    def peers_held(self):
+        return len(self.peers)
+
     def drop_peer(self, peer_id):
-        sock = self.peers.pop(peer_id, None)
-        if sock is not None:
-            sock.close(0)
+        entry = self.peers.pop(peer_id, None)
+        if entry is not None:
+            entry[1].close(0)
 
     def close(self):
-        for sock in self.peers.values():
+        for _, sock in self.peers.values():
             sock.close(0)
         self.rx.close(0)
