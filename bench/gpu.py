@@ -555,10 +555,14 @@ def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list
             t = decode_step_time(e, 1, ctx, steps)
             same = greedy_tokens(e, ctx, 32) == base
             del e
+        except Exception as ex:  # an experiment must not take the rest of the suite down with it
+            rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}", None, None, None, f"failed: {ex!r:.120}"))
+            print(rows[-1], flush=True)
+            continue
         finally:
             os.environ.pop("PDSERVE_FOLD_NORMS")
             TritonBackend.merge_in_split = False
-        gc.collect()
+            gc.collect()
         rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
                      f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
         print(rows[-1], flush=True)
