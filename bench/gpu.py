@@ -831,6 +831,22 @@ def main() -> None:
                      t_bf16 / t_fp8, ">= 1.6x"))
         print(rows[-1], flush=True)
         del e
+        # The experiment: one-token FP8 projections on the tensor cores (Fp8Linear.one_token = "dot").
+        from kernels.fp8_linear import Fp8Linear
+
+        Fp8Linear.one_token = "dot"
+        try:
+            e = engine_for(big, fast, 8192, device, dtype, quantization="fp8")
+            t_dot = decode_step_time(e, 1, ctx1, steps)
+            rows.append((f"{bn} FP8 weights, batch-1, one-token projections on the tensor cores: step ms "
+                         f"(GEMV ms)", t_dot * 1e3, t_fp8 * 1e3, t_fp8 / t_dot, "(for comparison)"))
+            del e
+        except Exception as ex:
+            rows.append((f"{bn} FP8 weights, batch-1, one-token projections on the tensor cores", None, None, None,
+                         f"failed: {ex!r:.120}"))
+        finally:
+            Fp8Linear.one_token = "gemv"
+        print(rows[-1], flush=True)
     del big
     if device.type == "cuda":
         torch.cuda.empty_cache()

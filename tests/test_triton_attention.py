@@ -204,9 +204,9 @@ def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout)
 
 
 # Activations in float16 and float32: the interpreter's bfloat16 dot is wrong (the GPU bench runs bf16).
-@pytest.mark.parametrize("m, bias, dtype", [(1, False, torch.float16), (5, True, torch.float32),
-                                            (16, False, torch.float16)])
-def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype):
+@pytest.mark.parametrize("m, bias, dtype, gemv", [(1, False, torch.float16, True), (1, True, torch.float16, False),
+                                                  (5, True, torch.float32, True), (16, False, torch.float16, True)])
+def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype, gemv):
     from kernels.fp8_linear import fp8_weight_matmul, quantize_per_channel
 
     g = torch.Generator().manual_seed(m)
@@ -214,7 +214,7 @@ def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype):
     q, scale = quantize_per_channel(w)
     x = torch.randn(m, 200, generator=g).to(dtype)
     b = torch.randn(72, generator=g).to(dtype) if bias else None
-    got = fp8_weight_matmul(x, q, scale, b).float()
+    got = fp8_weight_matmul(x, q, scale, b, one_row_gemv=gemv).float()
     ref = x.float() @ (q.float() * scale[:, None]).t() + (b.float() if bias else 0)
     assert got.shape == (m, 72)
     assert close(got, ref, 1e-2)
