@@ -302,6 +302,10 @@ def profile_step(engine: Engine, batch: int, ctx: int) -> None:
 IPC_LAYOUT = dict(num_layers=32, page_size=16, kv_heads=8, head_dim=128)  # the 8B shape
 
 
+def kv_bytes_per_token_8b() -> int:
+    return IPC_LAYOUT["num_layers"] * 2 * IPC_LAYOUT["kv_heads"] * IPC_LAYOUT["head_dim"] * 2
+
+
 def _ipc_receiver(to_parent, from_parent, num_pages: int) -> None:
     """The decode side of the cuda_ipc row, in its own process: export a pool, await pages, checksum them."""
     from kvstore import KVPool
@@ -401,6 +405,70 @@ def cuda_ipc_row(tokens: int = 4096) -> tuple[float, float, bool]:
           f"host wall ms {[round(x * 1e3, 3) for x in times]}, device ms {[round(x * 1e3, 3) for x in device_times]}",
           flush=True)
     return statistics.median(times[1:]), statistics.median(device_times[1:]), copy, got == rounds and checksum == expect
+
+
+def _transfer_receiver(backend: str, to_parent, from_parent, num_pages: int) -> None:
+    """The decode side of a transfer row, in its own process: a GPU pool behind `backend`; await `rounds`
+    requests' pages, then checksum them."""
+    from kvstore import KVPool
+    from transfer import create_transfer
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    pool = KVPool(num_pages, dtype=torch.bfloat16, device=dev, **IPC_LAYOUT)
+    t = create_transfer(backend, pool, "decode", "127.0.0.1")
+    to_parent.put(t.endpoint())
+    dst, rounds = from_parent.get()
+    for i in range(rounds):
+        t.expect(f"r{i}", dst)
+    got = 0
+    deadline = time.time() + 120
+    while got < rounds and time.time() < deadline:
+        got += len(t.poll_received())
+        time.sleep(0.001)
+    idx = torch.tensor(dst, device=dev)
+    to_parent.put((got, pool.data.index_select(1, idx).view(torch.int16).to(torch.int64).sum().item()))
+    t.close()
+
+
+def transfer_row(backend: str, tokens: int) -> tuple[float, bool]:
+    """(seconds per send of `tokens` tokens of 8B KV, scattered pages, GPU to GPU between two processes,
+    until the sender sees it complete; bit-exact at the receiver?) through a transfer engine (nixl, tcp)."""
+    import multiprocessing as mp
+
+    from engine.protocol import KVReady, encode
+    from kvstore import KVPool
+    from transfer import create_transfer
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n, pages, rounds = tokens // IPC_LAYOUT["page_size"], 2 * tokens // IPC_LAYOUT["page_size"] + 1, 4
+    ctx = mp.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_transfer_receiver, args=(backend, to_parent, from_parent, pages))
+    child.start()
+    endpoint = to_parent.get(timeout=120)
+    pool = KVPool(pages, dtype=torch.bfloat16, device=dev, **IPC_LAYOUT)
+    pool.data.normal_()
+    g = torch.Generator().manual_seed(1)
+    src = (torch.randperm(pages - 1, generator=g)[:n] + 1).tolist()
+    dst = (torch.randperm(pages - 1, generator=g)[:n] + 1).tolist()
+    from_parent.put((dst, rounds))
+    t = create_transfer(backend, pool, "prefill", "127.0.0.1")
+    times, ok = [], True
+    for i in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        t.send(f"r{i}", "decode", endpoint, src, dst, encode(KVReady(f"r{i}", 0)))
+        done = []
+        while not done and time.perf_counter() - t0 < 60:
+            done = t.poll_sent()
+            time.sleep(0.0002)
+        times.append(time.perf_counter() - t0)
+        ok = ok and bool(done) and done[0].ok
+    got, checksum = to_parent.get(timeout=180)
+    child.join(timeout=60)
+    t.close()
+    expect = pool.data.index_select(1, torch.tensor(src, device=dev)).view(torch.int16).to(torch.int64).sum().item()
+    return statistics.median(times[1:]), ok and got == rounds and checksum == expect
 
 
 def record_logits(engine: Engine) -> list[torch.Tensor]:
@@ -862,6 +930,20 @@ def main() -> None:
         rows.append(("cuda_ipc, the same: host wall ms of send() until the pages are in place (copy ms)", t * 1e3,
                      copy * 1e3, t / copy, "(for comparison)"))
         print(rows[-2:], flush=True)
+    if device.type == "cuda":
+        from transfer import available_backends
+
+        for backend in [b for b in ("nixl", "tcp") if b in available_backends(on_gpu=True)]:
+            tokens = 1024
+            try:
+                t, exact = transfer_row(backend, tokens)
+                nbytes = tokens * kv_bytes_per_token_8b()
+                rows.append((f"{backend}, {tokens} tokens of 8B KV, scattered, GPU to GPU between processes: ms per "
+                             f"send (GB/s); exact={exact}", t * 1e3, nbytes / t / 1e9, None, "(for comparison)"))
+            except Exception as ex:
+                rows.append((f"{backend} transfer between processes on the GPU", None, None, None,
+                             f"failed: {ex!r:.120}"))
+            print(rows[-1], flush=True)
     if args.pd_tokenizer and device.type == "cuda":
         # The service rows: real `pdserve up` processes on this GPU, the 8B layer shapes with the vocabulary of
         # the tokenizer given (the coordinator needs one to serve).
