@@ -100,7 +100,7 @@ class Linear(nn.Linear):
         """`norm` and `residual` (one token; CausalLM.folds decided the GEMV runs): project norm(x), or add the
         projection to `residual` in place and return it (kernels/gemv.py)."""
         if norm is not None or residual is not None:
-            return gemv(x, self.weight, bias=self.bias, act=act, norm=norm and (norm.weight, norm.eps),
+            return gemv(x, self.weight, bias=self.bias, act=act, norm=None if norm is None else (norm.weight, norm.eps),
                         residual=residual)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, act=act)

@@ -56,7 +56,7 @@ class Fp8Linear(nn.Module):
         `residual`: the folded one-token path, as engine.model.Linear takes them."""
         if norm is not None or residual is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act,
-                        norm=norm and (norm.weight, norm.eps), residual=residual)
+                        norm=None if norm is None else (norm.weight, norm.eps), residual=residual)
         if x.shape[0] == 1 and x.is_cuda and triton is not None and self.one_token == "gemv":
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
         if act == "silu_mul":
