@@ -286,6 +286,8 @@ class Dispatcher:
                 self._replies.pop(t.rid, None)
                 self._send(dec.ctrl_addr, Abort(t.rid))
                 self._unreserve(t)
+                if t.done:  # aborted meanwhile: place it nowhere else
+                    raise PlacementError(503, "the request was aborted while it was being placed")
                 rejected.add(dec.worker_id)
                 continue
             if isinstance(reply, Rejected):
