@@ -44,6 +44,7 @@ class Tracked:
     decode_id: str | None = None
     prefill_id: str | None = None
     counted_on: str | None = None  # the decode worker whose in-flight count includes this request
+    prefill_counted: int = 0  # prompt tokens of this request in the prefill worker's in-flight count
     first_token: bool = False
     done: bool = False
     alloc: Allocated | None = None
@@ -159,8 +160,10 @@ class Dispatcher:
         t.queue.put_nowait(delta)
 
     def _settle_prefill(self, t: Tracked) -> None:
-        if t.prefill_id is not None:
-            self._prefill_inflight[t.prefill_id] = self._prefill_inflight.get(t.prefill_id, 0) - len(t.prompt_ids)
+        # Idempotent, like _settle_decode: the first token, an abort, the watchdog.
+        if t.prefill_counted and t.prefill_id is not None:
+            self._prefill_inflight[t.prefill_id] = self._prefill_inflight.get(t.prefill_id, 0) - t.prefill_counted
+        t.prefill_counted = 0
 
     def _count_decode(self, t: Tracked, worker_id: str) -> None:
         t.decode_id = t.counted_on = worker_id
@@ -212,6 +215,10 @@ class Dispatcher:
                 if t.decode_id is not None and t.decode_id not in alive:
                     t.done = True
                     self._settle_decode(t)
+                    self._settle_prefill(t)
+                    if not t.first_token and t.prefill_id in alive:
+                        # Its prefill is still running for a worker that is gone: stop it there.
+                        self._send(alive[t.prefill_id].ctrl_addr, Abort(t.rid))
                     t.queue.put_nowait(TokenDelta(t.rid, [], error=f"worker {t.decode_id} failed"))
                 elif t.prefill_id is not None and not t.first_token and t.prefill_id not in alive:
                     asyncio.create_task(self._replace_prefill(t))
@@ -304,7 +311,8 @@ class Dispatcher:
         t.prefill_id = prefill.worker_id
         t.alloc = alloc
         t.backend = backend
-        self._prefill_inflight[prefill.worker_id] = self._prefill_inflight.get(prefill.worker_id, 0) + len(t.prompt_ids)
+        t.prefill_counted = len(t.prompt_ids)
+        self._prefill_inflight[prefill.worker_id] = self._prefill_inflight.get(prefill.worker_id, 0) + t.prefill_counted
         self._send(prefill.ctrl_addr, Prefill(t.rid, t.prompt_ids, t.params, self.addr, dec.worker_id, dec.ctrl_addr,
                                               backend, dec.transfer[backend], alloc.pages, alloc.skip_pages))
 
@@ -334,11 +342,9 @@ class Dispatcher:
             w = self.workers.get(wid)
             if w is not None:
                 self._send(w.ctrl_addr, Abort(rid))
-        if not t.done:
-            t.done = True
-            if not t.first_token:
-                self._settle_prefill(t)
-            self._settle_decode(t)
+        t.done = True
+        self._settle_prefill(t)
+        self._settle_decode(t)
 
     def finish(self, rid: str) -> None:
         self.requests.pop(rid, None)

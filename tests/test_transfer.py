@@ -132,5 +132,11 @@ def test_a_peer_that_restarts_under_the_same_id_gets_its_pages_and_a_dropped_pee
     tx.drop_peer("d")
     assert tx.peers_held() == 0
     tx.drop_peer("d")  # a second notice of the same departure is harmless
+    # A send still addressed to the departed worker (a prefill already running when it died) fails at once.
+    new.expect("r3", [5])
+    tx.send("r3", "d", new.endpoint(), [3], [5], encode(KVReady("r3", 3)))
+    sent = tx.poll_sent()
+    assert [(r.rid, r.ok) for r in sent] == [("r3", False)] and "left" in sent[0].error
+    assert tx.peers_held() == 0
     tx.close()
     new.close()

@@ -48,6 +48,9 @@ class TransferEngine(ABC):
         self.host = host
         self.stats = TransferStats()
         self.layout = KVLayout.of(pool)
+        # Endpoints of peers that left (drop_peer): a send still addressed to one (a prefill that was already
+        # running when its decode worker died) fails at once instead of connecting to the dead worker again.
+        self.departed: dict[str, bytes] = {}
 
     @abstractmethod
     def endpoint(self) -> bytes:
@@ -81,6 +84,21 @@ class TransferEngine(ABC):
     def peers_held(self) -> int:
         """Peers this engine keeps connections, mappings or descriptors for."""
         return 0
+
+    def _departed(self, rid: str, peer_id: str, endpoint: bytes) -> bool:
+        """Whether a send goes to a peer that left; if so, its failure is recorded."""
+        if peer_id not in self.departed:
+            return False
+        if self.departed[peer_id] != endpoint:  # the same id, a new process: welcome back
+            del self.departed[peer_id]
+            return False
+        self.done.append(self._record(SendResult(rid, False, f"{self.name}: peer {peer_id} left")))
+        return True
+
+    def _mark_departed(self, peer_id: str, endpoint: bytes) -> None:
+        self.departed[peer_id] = endpoint
+        while len(self.departed) > 1024:  # the oldest first
+            del self.departed[next(iter(self.departed))]
 
     def close(self) -> None:
         pass

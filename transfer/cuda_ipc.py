@@ -131,6 +131,8 @@ class CudaIpcTransfer(TransferEngine):
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
         t0 = now()
+        if self._departed(rid, peer_id, peer_endpoint):
+            return
         try:
             remote, sock = self._peer(peer_id, peer_endpoint)
             n = len(src_pages)
@@ -216,6 +218,7 @@ class CudaIpcTransfer(TransferEngine):
                 keep.append(p)
         self.pending = keep
         sock.close(0)
+        self._mark_departed(peer_id, entry[2])
 
     def close(self):
         for peer in list(self.peers):

@@ -107,6 +107,8 @@ class NixlTransfer(TransferEngine):
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
         t0 = now()
+        if self._departed(rid, peer_id, peer_endpoint):
+            return
         try:
             if len(src_pages) != len(dst_pages):
                 raise ValueError("page count mismatch")
@@ -170,6 +172,8 @@ class NixlTransfer(TransferEngine):
         return len(self.remotes)
 
     def drop_peer(self, peer_id):
+        if peer_id in self.remotes:
+            self._mark_departed(peer_id, self.remotes[peer_id][3])
         # A transfer in flight still uses the peer's descriptors: release them once it has ended (poll_sent).
         if self._busy(peer_id):
             self.leaving.add(peer_id)

@@ -68,6 +68,8 @@ class TcpTransfer(TransferEngine):
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
         t0 = now()
+        if self._departed(rid, peer_id, peer_endpoint):
+            return
         if len(src_pages) != len(dst_pages):
             self.done.append(self._record(SendResult(rid, False, "page count mismatch")))
             return
@@ -139,6 +141,7 @@ class TcpTransfer(TransferEngine):
         entry = self.peers.pop(peer_id, None)
         if entry is not None:
             entry[1].close(0)
+            self._mark_departed(peer_id, entry[0])
 
     def close(self):
         for _, sock in self.peers.values():
