@@ -49,6 +49,13 @@ class Tracked:
     done: bool = False
     alloc: Allocated | None = None
     backend: str | None = None
+    attempt: int = 0  # placements so far beyond the first (a worker died before the first token)
+
+    @property
+    def wire(self) -> str:
+        """The id the workers know this placement by: a new one per attempt, so that messages still on their
+        way about an abandoned attempt cannot reach this one."""
+        return self.rid if self.attempt == 0 else f"{self.rid}.{self.attempt}"
 
 
 class _PrefixIndex:
@@ -97,7 +104,8 @@ class Dispatcher:
         # Sends never block, so plain sockets serve the event loop; only receiving needs asyncio.
         self._sync_ctx = zmq.Context()
         self.outbox = Outbox(self._sync_ctx)
-        self.requests: dict[str, Tracked] = {}
+        self.requests: dict[str, Tracked] = {}  # by the client-facing rid
+        self.by_wire: dict[str, Tracked] = {}  # by the id of the current placement (Tracked.wire)
         self._replies: dict[str, asyncio.Future] = {}
         self._prefill_inflight: dict[str, int] = {}  # worker -> prompt tokens sent, first token not back
         self._decode_inflight: dict[str, int] = {}
@@ -140,7 +148,7 @@ class Dispatcher:
                 self.registry.put(msg.info)
                 self.workers[msg.info.worker_id] = msg.info
         elif isinstance(msg, (Allocated, Rejected)):
-            fut = self._replies.pop(msg.rid, None)
+            fut = self._replies.pop(msg.rid, None)  # keyed by the placement's wire id
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, TokenBatch):
@@ -148,7 +156,7 @@ class Dispatcher:
                 self._deliver(delta)
 
     def _deliver(self, delta: TokenDelta) -> None:
-        t = self.requests.get(delta.rid)
+        t = self.by_wire.get(delta.rid)
         if t is None or t.done:
             return
         if not t.first_token and (delta.token_ids or delta.error or delta.finish_reason):
@@ -206,38 +214,66 @@ class Dispatcher:
             for t in list(self.requests.values()):
                 if t.done:
                     continue
-                pending = self._replies.get(t.rid)
+                pending = self._replies.get(t.wire)
                 if pending is not None:  # still being placed: let placement try the next decode worker
                     if t.decode_id not in alive and not pending.done():
-                        pending.set_result(Rejected(t.rid, t.decode_id, "worker left", retryable=True))
-                        self._replies.pop(t.rid, None)
+                        pending.set_result(Rejected(t.wire, t.decode_id, "worker left", retryable=True))
+                        self._replies.pop(t.wire, None)
                     continue
                 if t.decode_id is not None and t.decode_id not in alive:
-                    t.done = True
+                    dead = t.decode_id
                     self._settle_decode(t)
                     self._settle_prefill(t)
                     if not t.first_token and t.prefill_id in alive:
                         # Its prefill is still running for a worker that is gone: stop it there.
-                        self._send(alive[t.prefill_id].ctrl_addr, Abort(t.rid))
-                    t.queue.put_nowait(TokenDelta(t.rid, [], error=f"worker {t.decode_id} failed"))
+                        self._send(alive[t.prefill_id].ctrl_addr, Abort(t.wire))
+                    if not t.first_token and t.attempt < self.max_attempts - 1:
+                        # Nothing has reached the client yet: place the request again, as if it were new.
+                        logger.warning("worker %s left before the first token of %s; placing it again", dead, t.rid)
+                        self._new_attempt(t)
+                        asyncio.create_task(self._place_again(t))
+                        continue
+                    t.done = True
+                    t.queue.put_nowait(TokenDelta(t.wire, [], error=f"worker {dead} failed"))
                 elif t.prefill_id is not None and not t.first_token and t.prefill_id not in alive:
                     asyncio.create_task(self._replace_prefill(t))
 
     # --- placement ------------------------------------------------------------------------------------------
+    max_attempts = 3  # placements of one request, when its workers die before its first token
+
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""
         t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params))
         self.requests[t.rid] = t
+        self.by_wire[t.wire] = t
         try:
             await self._place(t, time.monotonic() + self.admission_timeout_s)
         except BaseException:
             self.requests.pop(t.rid, None)
+            self.by_wire.pop(t.wire, None)
             raise
         return t
+
+    def _new_attempt(self, t: Tracked) -> None:
+        """Forget the request's current placement; messages about it will no longer find the request."""
+        self.by_wire.pop(t.wire, None)
+        t.attempt += 1
+        t.decode_id = t.prefill_id = t.alloc = t.backend = None
+        self.by_wire[t.wire] = t
+
+    async def _place_again(self, t: Tracked) -> None:
+        try:
+            await self._place(t, time.monotonic() + self.admission_timeout_s)
+        except PlacementError as e:
+            if not t.done:
+                t.done = True
+                t.queue.put_nowait(TokenDelta(t.wire, [], error=f"placing the request again: {e}"))
 
     async def _place(self, t: Tracked, deadline: float) -> None:
         rejected: set[str] = set()
         while True:
+            if t.done:  # aborted while placed again (abort() let go of whatever it had reserved)
+                raise PlacementError(503, "the request ended while it was being placed")
             workers = list(self.workers.values())
             colocated = [w for w in workers if w.role == "colocated"]
             decodes = [w for w in workers if w.role == "decode" and w.worker_id not in rejected]
@@ -248,7 +284,7 @@ class Dispatcher:
             elif colocated:
                 w = min(colocated, key=lambda w: (self._decode_inflight.get(w.worker_id, 0), -w.load.free_pages))
                 self._count_decode(t, w.worker_id)
-                self._send(w.ctrl_addr, Generate(t.rid, t.prompt_ids, t.params, self.addr))
+                self._send(w.ctrl_addr, Generate(t.wire, t.prompt_ids, t.params, self.addr))
                 return
             if time.monotonic() >= deadline:
                 raise PlacementError(503, "no worker could take the request in time")
@@ -276,22 +312,22 @@ class Dispatcher:
             if backend is None or dec.layout != prefill.layout:
                 continue
             fut = asyncio.get_running_loop().create_future()
-            self._replies[t.rid] = fut
+            self._replies[t.wire] = fut
             wait = max(0.0, deadline - time.monotonic())
             # Counted from the moment the Allocate leaves: requests placed while this one waits for its
             # reply must see the worker as busier, or a burst all lands on the same decode worker.
             self._count_decode(t, dec.worker_id)
-            self._send(dec.ctrl_addr, Allocate(t.rid, t.prompt_ids, t.params, self.addr, backend, wait))
+            self._send(dec.ctrl_addr, Allocate(t.wire, t.prompt_ids, t.params, self.addr, backend, wait))
             try:
                 reply = await asyncio.wait_for(fut, timeout=wait + 2.0)
             except asyncio.CancelledError:  # the client left while the decode worker was reserving
-                self._replies.pop(t.rid, None)
-                self._send(dec.ctrl_addr, Abort(t.rid))
+                self._replies.pop(t.wire, None)
+                self._send(dec.ctrl_addr, Abort(t.wire))
                 self._unreserve(t)
                 raise
             except asyncio.TimeoutError:
-                self._replies.pop(t.rid, None)
-                self._send(dec.ctrl_addr, Abort(t.rid))
+                self._replies.pop(t.wire, None)
+                self._send(dec.ctrl_addr, Abort(t.wire))
                 self._unreserve(t)
                 if t.done:  # aborted meanwhile: place it nowhere else
                     raise PlacementError(503, "the request was aborted while it was being placed")
@@ -313,7 +349,7 @@ class Dispatcher:
         t.backend = backend
         t.prefill_counted = len(t.prompt_ids)
         self._prefill_inflight[prefill.worker_id] = self._prefill_inflight.get(prefill.worker_id, 0) + t.prefill_counted
-        self._send(prefill.ctrl_addr, Prefill(t.rid, t.prompt_ids, t.params, self.addr, dec.worker_id, dec.ctrl_addr,
+        self._send(prefill.ctrl_addr, Prefill(t.wire, t.prompt_ids, t.params, self.addr, dec.worker_id, dec.ctrl_addr,
                                               backend, dec.transfer[backend], alloc.pages, alloc.skip_pages))
 
     async def _replace_prefill(self, t: Tracked) -> None:
@@ -327,7 +363,7 @@ class Dispatcher:
         if dec is None or not candidates or t.done:
             t.done = True
             self._settle_decode(t)
-            t.queue.put_nowait(TokenDelta(t.rid, [], error=f"prefill worker {dead} failed"))
+            t.queue.put_nowait(TokenDelta(t.wire, [], error=f"prefill worker {dead} failed"))
             return
         logger.warning("prefill worker %s left; sending %s elsewhere", dead, t.rid)
         self._send_prefill(t, self._pick_prefill(t, candidates), dec, t.backend, t.alloc)
@@ -337,14 +373,19 @@ class Dispatcher:
         t = self.requests.pop(rid, None)
         if t is None:
             return
-        self._replies.pop(rid, None)
+        self.by_wire.pop(t.wire, None)
+        fut = self._replies.pop(t.wire, None)
+        if fut is not None and not fut.done():  # a placement waiting for a reservation: end it now
+            fut.set_result(Rejected(t.wire, "", "the request was aborted", retryable=False))
         for wid in {t.decode_id, t.prefill_id} - {None}:
             w = self.workers.get(wid)
             if w is not None:
-                self._send(w.ctrl_addr, Abort(rid))
+                self._send(w.ctrl_addr, Abort(t.wire))
         t.done = True
         self._settle_prefill(t)
         self._settle_decode(t)
 
     def finish(self, rid: str) -> None:
-        self.requests.pop(rid, None)
+        t = self.requests.pop(rid, None)
+        if t is not None:
+            self.by_wire.pop(t.wire, None)

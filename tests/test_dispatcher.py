@@ -10,8 +10,8 @@ import zmq
 
 from coordinator.dispatcher import Dispatcher
 from coordinator.registry import MemoryRegistry
-from engine.protocol import (Abort, Allocate, Allocated, KVLayout, PeerLeft, Prefill, WorkerInfo, decode,
-                             encode)
+from engine.protocol import (Abort, Allocate, Allocated, KVLayout, PeerLeft, Prefill, TokenBatch, TokenDelta,
+                             WorkerInfo, decode, encode)
 
 LAYOUT = KVLayout(2, 16, 2, 32, "float32")
 
@@ -23,10 +23,13 @@ class FakeWorker:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")
+        self.backlog: list = []  # read by a helper that looked for something else
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
                                "default", LAYOUT, 4096, 4096, transfer={"tcp": b"tcp://127.0.0.1:1"})
 
     async def next(self, timeout: float = 5.0):
+        if self.backlog:
+            return self.backlog.pop(0)
         for _ in range(int(timeout / 0.01)):
             try:
                 return decode(self.sock.recv(flags=zmq.NOBLOCK))
@@ -35,7 +38,7 @@ class FakeWorker:
         raise AssertionError(f"{self.info.worker_id} got no message in {timeout} s")
 
     def drain(self) -> list:
-        out = []
+        out, self.backlog = self.backlog, []
         while True:
             try:
                 out.append(decode(self.sock.recv(flags=zmq.NOBLOCK)))
@@ -46,7 +49,7 @@ class FakeWorker:
 @pytest.fixture
 def cluster():
     ctx = zmq.Context()
-    registry = MemoryRegistry()
+    registry = MemoryRegistry(ttl_s=600)  # the test says when a worker leaves
     workers = {name: FakeWorker(ctx, name, role) for name, role in
                (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))}
     for w in workers.values():
@@ -93,7 +96,22 @@ def test_a_burst_of_requests_spreads_over_the_decode_workers(cluster):
     run(scenario())
 
 
-def test_a_decode_worker_lost_during_prefill_stops_that_prefill_and_is_announced(cluster):
+async def allocate_reply(workers, names, reply) -> tuple[Allocate, str]:
+    """Wait for the Allocate one of `names` gets, answer it; (the Allocate, who got it)."""
+    for _ in range(500):
+        for name in names:
+            msgs = workers[name].drain()
+            for i, msg in enumerate(msgs):
+                if isinstance(msg, Allocate):
+                    workers[name].backlog = msgs[:i] + msgs[i + 1:]
+                    reply.send(encode(Allocated(msg.rid, name, [3, 4, 5, 6, 7, 8, 9], 0)))
+                    return msg, name
+            workers[name].backlog = msgs
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"none of {names} was asked to allocate")
+
+
+def test_a_request_whose_decode_worker_dies_before_its_first_token_is_placed_again(cluster):
     registry, workers, reply = cluster
 
     async def scenario():
@@ -103,32 +121,59 @@ def test_a_decode_worker_lost_during_prefill_stops_that_prefill_and_is_announced
         reply.connect(d.addr)
         try:
             placing = asyncio.create_task(d.submit(list(range(100)), {}))
-            alloc = victim = None
-            for _ in range(500):  # one of the two decode workers is asked
-                for name in ("d0", "d1"):
-                    for msg in workers[name].drain():
-                        if isinstance(msg, Allocate):
-                            alloc, victim = msg, name
-                if alloc is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert alloc is not None
-            reply.send(encode(Allocated(alloc.rid, victim, [3, 4, 5, 6, 7, 8, 9], 0)))
+            first, victim = await allocate_reply(workers, ["d0", "d1"], reply)
             t = await placing
-            assert isinstance(await workers["p0"].next(), Prefill)
-            assert d._prefill_inflight["p0"] == 100
+            assert first.rid == t.rid and await workers["p0"].next() == Prefill(
+                t.rid, list(range(100)), {}, d.addr, victim, workers[victim].info.ctrl_addr, "tcp",
+                b"tcp://127.0.0.1:1", [3, 4, 5, 6, 7, 8, 9], 0)
+            survivor = "d1" if victim == "d0" else "d0"
 
-            registry.remove(victim)  # the decode worker dies before the first token
+            registry.remove(victim)  # the decode worker dies while the prompt is in prefill
+            second, where = await allocate_reply(workers, [survivor], reply)
+            assert second.rid == f"{t.rid}.1", "a new placement, under a new id"
+            seen = [await workers["p0"].next() for _ in range(3)]
+            assert seen[:2] == [PeerLeft(victim), Abort(t.rid)], "the old prefill is stopped"
+            assert isinstance(seen[2], Prefill) and seen[2].rid == second.rid and seen[2].decode_id == survivor
+            assert PeerLeft(victim) in workers[survivor].drain()
+
+            # A late error about the abandoned placement does not reach the request; the new one's tokens do.
+            reply.send(encode(TokenBatch("p0", [TokenDelta(t.rid, [], error="KV transfer failed")])))
+            reply.send(encode(TokenBatch(survivor, [TokenDelta(second.rid, [42])])))
+            delta = await asyncio.wait_for(t.queue.get(), 5)
+            assert delta.error is None and delta.token_ids == [42]
+            assert d._prefill_inflight["p0"] == 0 and d._decode_inflight == {victim: 0, survivor: 1}
+            reply.send(encode(TokenBatch(survivor, [TokenDelta(second.rid, [43], finish_reason="length")])))
+            assert (await asyncio.wait_for(t.queue.get(), 5)).finish_reason == "length"
+            d.finish(t.rid)
+            assert d._decode_inflight == {victim: 0, survivor: 0} and not d.by_wire and not d.requests
+        finally:
+            await d.stop()
+
+    run(scenario())
+
+
+def test_a_request_is_placed_at_most_max_attempts_times(cluster):
+    registry, workers, reply = cluster
+    workers_left = ["d0", "d1"]
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.max_attempts = 2
+        d.refresh()
+        await d.start()
+        reply.connect(d.addr)
+        try:
+            placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+            _, victim = await allocate_reply(workers, workers_left, reply)
+            t = await placing
+            registry.remove(victim)
+            workers_left.remove(victim)
+            _, victim = await allocate_reply(workers, workers_left, reply)
+            registry.remove(victim)
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.error and victim in delta.error
-            seen = [await workers["p0"].next() for _ in range(2)]
-            assert PeerLeft(victim) in seen, "the others are told who left"
-            assert Abort(t.rid) in seen, "the prefill for a dead decode worker is stopped"
-            survivor = "d1" if victim == "d0" else "d0"
-            assert PeerLeft(victim) in workers[survivor].drain()
-            assert d._prefill_inflight["p0"] == 0 and d._decode_inflight[victim] == 0
-            d.abort(t.rid)  # the client's handler ends the request: nothing is counted twice
-            assert d._prefill_inflight["p0"] == 0 and d._decode_inflight[victim] == 0
+            d.abort(t.rid)
+            assert d._prefill_inflight["p0"] == 0 and set(d._decode_inflight.values()) == {0}
         finally:
             await d.stop()
 
