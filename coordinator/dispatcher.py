@@ -24,6 +24,7 @@ from coordinator.registry import MemoryRegistry, Registry
 from engine.outbox import Outbox
 from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, PeerLeft, Prefill, Rejected,
                              TokenBatch, TokenDelta, WorkerInfo, decode)
+from engine.sampling_params import SamplingParams
 from transfer import agree
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,21 @@ class Tracked:
     done: bool = False
     alloc: Allocated | None = None
     backend: str | None = None
-    attempt: int = 0  # placements so far beyond the first (a worker died before the first token)
+    attempt: int = 0  # placements so far beyond the first (a worker died under the request)
+    generated: list[int] = field(default_factory=list)  # tokens delivered by the current placement
+    client_prompt_len: int = 0  # the prompt as the client sent it (prompt_ids grows when placed again)
 
     @property
     def wire(self) -> str:
         """The id the workers know this placement by: a new one per attempt, so that messages still on their
         way about an abandoned attempt cannot reach this one."""
         return self.rid if self.attempt == 0 else f"{self.rid}.{self.attempt}"
+
+
+def _resumable(params: dict) -> bool:
+    """Whether a request can go on from its prompt plus its tokens so far. Frequency and presence penalties
+    count the tokens generated, which a new placement would see as prompt."""
+    return not params.get("frequency_penalty") and not params.get("presence_penalty")
 
 
 class _PrefixIndex:
@@ -159,6 +168,9 @@ class Dispatcher:
         t = self.by_wire.get(delta.rid)
         if t is None or t.done:
             return
+        t.generated.extend(delta.token_ids)
+        # A request placed again finds its own earlier tokens in the new worker's prefix cache: not the client's.
+        delta.cached_tokens = min(delta.cached_tokens, t.client_prompt_len)
         if not t.first_token and (delta.token_ids or delta.error or delta.finish_reason):
             t.first_token = True
             self._settle_prefill(t)
@@ -227,9 +239,11 @@ class Dispatcher:
                     if not t.first_token and t.prefill_id in alive:
                         # Its prefill is still running for a worker that is gone: stop it there.
                         self._send(alive[t.prefill_id].ctrl_addr, Abort(t.wire))
-                    if not t.first_token and t.attempt < self.max_attempts - 1:
-                        # Nothing has reached the client yet: place the request again, as if it were new.
-                        logger.warning("worker %s left before the first token of %s; placing it again", dead, t.rid)
+                    if t.attempt < self.max_attempts - 1 and (not t.generated or _resumable(t.params)):
+                        # Place the request again: from its prompt if nothing reached the client yet, else
+                        # from its prompt and the tokens streamed so far, for the tokens still to come.
+                        logger.warning("worker %s left under %s after %d tokens; placing it again", dead, t.rid,
+                                       len(t.generated))
                         self._new_attempt(t)
                         asyncio.create_task(self._place_again(t))
                         continue
@@ -243,7 +257,7 @@ class Dispatcher:
 
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""
-        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params))
+        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids))
         self.requests[t.rid] = t
         self.by_wire[t.wire] = t
         try:
@@ -255,9 +269,18 @@ class Dispatcher:
         return t
 
     def _new_attempt(self, t: Tracked) -> None:
-        """Forget the request's current placement; messages about it will no longer find the request."""
+        """Forget the request's current placement (messages about it will no longer find the request); what it
+        generated becomes part of the prompt of the next, which generates only the rest."""
         self.by_wire.pop(t.wire, None)
         t.attempt += 1
+        if t.generated:
+            n = len(t.generated)
+            sp = SamplingParams.from_dict(t.params)
+            t.prompt_ids = t.prompt_ids + t.generated
+            t.params = dict(t.params, min_tokens=max(0, sp.min_tokens - n), output_offset=sp.output_offset + n,
+                            max_tokens=None if sp.max_tokens is None else sp.max_tokens - n)
+            t.generated = []
+        t.first_token = False
         t.decode_id = t.prefill_id = t.alloc = t.backend = None
         self.by_wire[t.wire] = t
 

@@ -71,7 +71,8 @@ class SamplingBatch:
             top_p=t([p.top_p for p in ps], torch.float32),
             min_p=t([p.min_p for p in ps], torch.float32),
             seeds=t([r.seed for r in reqs], torch.long),
-            steps=t([r.num_output + r.pending for r in reqs], torch.long),  # index of the token drawn
+            # The index of the token drawn, counted from the start of the generation this request continues.
+            steps=t([r.num_output + r.pending + r.params.output_offset for r in reqs], torch.long),
             all_greedy=all(p.greedy for p in ps),
             use_top_k=any(p.top_k > 0 and not p.greedy for p in ps),
             use_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),

@@ -27,6 +27,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Index of this request's first output token within the generation it continues: a request placed again
+    # after its worker died mid-stream starts from its prompt plus what it had generated, and its seeded draws
+    # go on where they stopped (the sampler's noise is a function of (seed, output index)).
+    output_offset: int = 0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -61,6 +65,7 @@ class SamplingParams:
         need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
              "max_tokens", "must be an integer >= 1")
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        need(is_int(self.output_offset) and self.output_offset >= 0, "output_offset", "must be an integer >= 0")
         if self.max_tokens is not None:
             need(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         need(is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]")

@@ -169,14 +169,13 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
                 time.sleep(0.1)
             assert time.time() - t_kill < 3.0, "a dead worker must leave the registry within 3 s"
             results = [f.result(timeout=120) for f in futures]
-        survivors = [ev for w, ev in results if w != victim]
-        assert survivors, "some requests ran on the surviving decode worker"
-        for events in survivors:
-            assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
+        assert any(w != victim for w, _ in results), "some requests ran on the surviving decode worker"
+        assert any(w == victim for w, _ in results), "some requests ran on the victim"
+        # Every stream completes: those on the victim are placed again with the tokens they had streamed
+        # as part of their prompt, and go on from there on the survivor.
         for w, events in results:
-            if w == victim:  # failed cleanly: an error event, then the end of the stream
-                assert events[-1] == "data: [DONE]" and "error" in events[-2]
+            assert events[-1] == "data: [DONE]" and not any("error" in e for e in events), (w, events[-3:])
+            assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
         assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
 
         # The prefill workers let go of the dead decode worker (the coordinator's PeerLeft): once both have

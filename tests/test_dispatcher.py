@@ -178,3 +178,62 @@ def test_a_request_is_placed_at_most_max_attempts_times(cluster):
             await d.stop()
 
     run(scenario())
+
+
+def test_a_request_whose_decode_worker_dies_mid_stream_goes_on_from_its_tokens(cluster):
+    registry, workers, reply = cluster
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.refresh()
+        await d.start()
+        reply.connect(d.addr)
+        try:
+            placing = asyncio.create_task(d.submit(list(range(100)), {"max_tokens": 5, "seed": 3}))
+            _, victim = await allocate_reply(workers, ["d0", "d1"], reply)
+            t = await placing
+            survivor = "d1" if victim == "d0" else "d0"
+            reply.send(encode(TokenBatch(victim, [TokenDelta(t.rid, [10])])))
+            reply.send(encode(TokenBatch(victim, [TokenDelta(t.rid, [11])])))
+            assert [(await asyncio.wait_for(t.queue.get(), 5)).token_ids for _ in range(2)] == [[10], [11]]
+
+            registry.remove(victim)
+            again, _ = await allocate_reply(workers, [survivor], reply)
+            assert again.rid == f"{t.rid}.1" and again.prompt_ids == list(range(100)) + [10, 11]
+            assert again.params == {"max_tokens": 3, "seed": 3, "min_tokens": 0, "output_offset": 2}
+            msgs = workers["p0"].drain() + [await workers["p0"].next()]
+            assert [m for m in msgs if isinstance(m, Prefill)][-1].rid == again.rid
+            assert not any(isinstance(m, Abort) for m in msgs), "the old prefill had finished long ago"
+
+            # The new placement's tokens continue the stream; its prefix-cache hits on the request's own
+            # earlier tokens are not reported as the client's.
+            reply.send(encode(TokenBatch(survivor, [TokenDelta(again.rid, [12], cached_tokens=102)])))
+            delta = await asyncio.wait_for(t.queue.get(), 5)
+            assert delta.token_ids == [12] and delta.error is None and delta.cached_tokens == 100
+        finally:
+            await d.stop()
+
+    run(scenario())
+
+
+def test_a_request_with_output_penalties_is_not_continued_elsewhere(cluster):
+    registry, workers, reply = cluster
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.refresh()
+        await d.start()
+        reply.connect(d.addr)
+        try:
+            placing = asyncio.create_task(d.submit([1, 2, 3], {"frequency_penalty": 0.5}))
+            _, victim = await allocate_reply(workers, ["d0", "d1"], reply)
+            t = await placing
+            reply.send(encode(TokenBatch(victim, [TokenDelta(t.rid, [10])])))
+            assert (await asyncio.wait_for(t.queue.get(), 5)).token_ids == [10]
+            registry.remove(victim)
+            delta = await asyncio.wait_for(t.queue.get(), 5)
+            assert delta.error and victim in delta.error
+        finally:
+            await d.stop()
+
+    run(scenario())

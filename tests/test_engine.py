@@ -159,6 +159,19 @@ def test_seeded_sampling_does_not_depend_on_batch_company(tiny_llama):
     assert other_seed.token_ids != alone
 
 
+def test_a_seeded_request_continued_from_its_tokens_draws_what_it_would_have(tiny_llama):
+    """A request placed again after its worker died mid-stream: prompt + the tokens it had, output_offset."""
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    p = dict(temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
+    whole = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(max_tokens=20, **p))[0].token_ids
+    rest = llm.generate({"prompt_token_ids": [9, 8, 7] + whole[:8]},
+                        SamplingParams(max_tokens=12, output_offset=8, **p))[0].token_ids
+    assert rest == whole[8:]
+    restart = llm.generate({"prompt_token_ids": [9, 8, 7] + whole[:8]}, SamplingParams(max_tokens=12, **p))[0]
+    assert restart.token_ids != whole[8:], "without the offset the draws start over"
+
+
 def test_logprobs_are_those_of_the_model_distribution(tiny_llama):
     import torch
 
