@@ -61,10 +61,13 @@ class Tracked:
         return self.rid if self.attempt == 0 else f"{self.rid}.{self.attempt}"
 
 
-def _resumable(params: dict) -> bool:
+def _resumable(t: Tracked) -> bool:
     """Whether a request can go on from its prompt plus its tokens so far. Frequency and presence penalties
     count the tokens generated, which a new placement would see as prompt."""
-    return not params.get("frequency_penalty") and not params.get("presence_penalty")
+    p = t.params
+    left = p.get("max_tokens", SamplingParams.max_tokens)
+    return not p.get("frequency_penalty") and not p.get("presence_penalty") and (
+        left is None or left > len(t.generated))
 
 
 class _PrefixIndex:
@@ -239,7 +242,7 @@ class Dispatcher:
                     if not t.first_token and t.prefill_id in alive:
                         # Its prefill is still running for a worker that is gone: stop it there.
                         self._send(alive[t.prefill_id].ctrl_addr, Abort(t.wire))
-                    if t.attempt < self.max_attempts - 1 and (not t.generated or _resumable(t.params)):
+                    if t.attempt < self.max_attempts - 1 and (not t.generated or _resumable(t)):
                         # Place the request again: from its prompt if nothing reached the client yet, else
                         # from its prompt and the tokens streamed so far, for the tokens still to come.
                         logger.warning("worker %s left under %s after %d tokens; placing it again", dead, t.rid,
@@ -253,7 +256,7 @@ class Dispatcher:
                     asyncio.create_task(self._replace_prefill(t))
 
     # --- placement ------------------------------------------------------------------------------------------
-    max_attempts = 3  # placements of one request, when its workers die before its first token
+    max_attempts = 3  # placements of one request, when the decode worker it is on dies
 
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""
@@ -287,9 +290,13 @@ class Dispatcher:
     async def _place_again(self, t: Tracked) -> None:
         try:
             await self._place(t, time.monotonic() + self.admission_timeout_s)
-        except PlacementError as e:
+        except Exception as e:  # PlacementError, or anything else: the request must not hang
+            if not isinstance(e, PlacementError):
+                logger.exception("placing %s again", t.rid)
             if not t.done:
                 t.done = True
+                self._settle_decode(t)
+                self._settle_prefill(t)
                 t.queue.put_nowait(TokenDelta(t.wire, [], error=f"placing the request again: {e}"))
 
     async def _place(self, t: Tracked, deadline: float) -> None:
