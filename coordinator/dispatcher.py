@@ -118,6 +118,7 @@ class Dispatcher:
         self.outbox = Outbox(self._sync_ctx)
         self.requests: dict[str, Tracked] = {}  # by the client-facing rid
         self.by_wire: dict[str, Tracked] = {}  # by the id of the current placement (Tracked.wire)
+        self.placed_again = {"before_first_token": 0, "mid_stream": 0}
         self._replies: dict[str, asyncio.Future] = {}
         self._prefill_inflight: dict[str, int] = {}  # worker -> prompt tokens sent, first token not back
         self._decode_inflight: dict[str, int] = {}
@@ -247,6 +248,7 @@ class Dispatcher:
                         # from its prompt and the tokens streamed so far, for the tokens still to come.
                         logger.warning("worker %s left under %s after %d tokens; placing it again", dead, t.rid,
                                        len(t.generated))
+                        self.placed_again["mid_stream" if t.generated else "before_first_token"] += 1
                         self._new_attempt(t)
                         asyncio.create_task(self._place_again(t))
                         continue

@@ -9,8 +9,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
-    def __init__(self, workers_view):
-        """workers_view: a callable returning the live WorkerInfo list (read at scrape time)."""
+    def __init__(self, workers_view, placed_again=dict):
+        """workers_view: a callable returning the live WorkerInfo list; placed_again: one returning how many
+        requests were placed again after their worker died, by when (both read at scrape time)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
@@ -23,6 +24,19 @@ class Metrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         r.register(_WorkerCollector(workers_view))
+        r.register(_PlacementCollector(placed_again))
+
+
+class _PlacementCollector:
+    def __init__(self, placed_again):
+        self.placed_again = placed_again
+
+    def collect(self):
+        c = CounterMetricFamily("pdserve_requests_placed_again", "Requests placed again because their worker "
+                                "died, before their first token or mid-stream", labels=["when"])
+        for when, n in self.placed_again().items():
+            c.add_metric([when], n)
+        yield c
 
 
 class _WorkerCollector:

@@ -61,7 +61,7 @@ class Coordinator:
         self.registry = make_registry(args.redis_url)
         self.dispatcher = Dispatcher(self.registry, args.zmq_host, args.zmq_port, args.transfer_backend,
                                      args.admission_timeout_s)
-        self.metrics = Metrics(lambda: list(self.dispatcher.workers.values()))
+        self.metrics = Metrics(lambda: list(self.dispatcher.workers.values()), lambda: self.dispatcher.placed_again)
 
 
 def create_app(args: CoordinatorArgs) -> FastAPI:

@@ -176,6 +176,12 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
         for w, events in results:
             assert events[-1] == "data: [DONE]" and not any("error" in e for e in events), (w, events[-3:])
             assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with c.client() as h:
+            families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
+        placed_again = sum(s.value for s in families["pdserve_requests_placed_again"].samples)
+        assert placed_again == sum(1 for w, _ in results if w == victim)
         assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
 
         # The prefill workers let go of the dead decode worker (the coordinator's PeerLeft): once both have

@@ -142,6 +142,7 @@ def test_a_request_whose_decode_worker_dies_before_its_first_token_is_placed_aga
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.error is None and delta.token_ids == [42]
             assert d._prefill_inflight["p0"] == 0 and d._decode_inflight == {victim: 0, survivor: 1}
+            assert d.placed_again == {"before_first_token": 1, "mid_stream": 0}
             reply.send(encode(TokenBatch(survivor, [TokenDelta(second.rid, [43], finish_reason="length")])))
             assert (await asyncio.wait_for(t.queue.get(), 5)).finish_reason == "length"
             d.finish(t.rid)
@@ -210,6 +211,7 @@ def test_a_request_whose_decode_worker_dies_mid_stream_goes_on_from_its_tokens(c
             reply.send(encode(TokenBatch(survivor, [TokenDelta(again.rid, [12], cached_tokens=102)])))
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.token_ids == [12] and delta.error is None and delta.cached_tokens == 100
+            assert d.placed_again == {"before_first_token": 0, "mid_stream": 1}
         finally:
             await d.stop()
 
