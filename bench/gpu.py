@@ -747,13 +747,45 @@ def diagnose(device, dtype) -> None:
     os.environ.pop("PDSERVE_PDL")
 
 
+def transfer_rows(rows: list) -> None:
+    """KV transfer between two processes on this GPU: cuda_ipc against a contiguous copy, then nixl and tcp."""
+    from transfer import available_backends
+
+    t, td, copy, exact = cuda_ipc_row()
+    rows.append((f"cuda_ipc, 4096 tokens of 8B KV, scattered, into another process: device ms of the send "
+                 f"(copy ms); exact={exact}", td * 1e3, copy * 1e3, td / copy, "<= 1.25"))
+    rows.append(("cuda_ipc, the same: host wall ms of send() until the pages are in place (copy ms)", t * 1e3,
+                 copy * 1e3, t / copy, "(for comparison)"))
+    print(rows[-2:], flush=True)
+    for backend in [b for b in ("nixl", "tcp") if b in available_backends(on_gpu=True)]:
+        tokens = 1024
+        try:
+            t, exact = transfer_row(backend, tokens)
+            nbytes = tokens * kv_bytes_per_token_8b()
+            rows.append((f"{backend}, {tokens} tokens of 8B KV, scattered, GPU to GPU between processes: ms per "
+                         f"send (GB/s); exact={exact}", t * 1e3, nbytes / t / 1e9, None, "(for comparison)"))
+        except Exception as ex:
+            rows.append((f"{backend} transfer between processes on the GPU", None, None, None,
+                         f"failed: {ex!r:.120}"))
+        print(rows[-1], flush=True)
+
+
+def print_table(rows: list) -> None:
+    print()
+    print("| figure | value | ceiling / peer | ratio | target |")
+    print("|---|---|---|---|---|")
+    for label, value, ref, ratio, target in rows:
+        fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
+        print(f"| {label} | {fmt(value)} | {fmt(ref)} | {fmt(ratio)} | {target} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
     ap.add_argument("--tune-decode", action="store_true",
                     help="the decode kernel's settings for large batches, and the batch-64 step with the fastest")
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
-    ap.add_argument("--only-ipc", action="store_true", help="only the cuda_ipc transfer row")
+    ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
     ap.add_argument("--tune-gemv", action="store_true", help="time the one-token GEMV's launch configurations")
     ap.add_argument("--pd-tokenizer", default=None,
                     help="a directory with tokenizer.json: also run the 1P1D service rows (bench/pd.py)")
@@ -776,12 +808,10 @@ def main() -> None:
         return tune_gemv(device)
     if args.diagnose:
         return diagnose(device, dtype)
-    if args.only_ipc:
-        t, td, copy, exact = cuda_ipc_row()
-        print(f"| cuda_ipc, 4096 tokens of 8B KV, scattered pages, into another process: device ms, host ms "
-              f"(contiguous copy ms) | {td * 1e3:.3f}, {t * 1e3:.3f} | {copy * 1e3:.3f} | {td / copy:.2f}, "
-              f"{t / copy:.2f} | <= 1.25 | bit-exact: {exact} |")
-        return
+    if args.only_transfers:
+        rows = []
+        transfer_rows(rows)
+        return print_table(rows)
     print(f"device {name}, torch {torch.__version__}, backends {['torch'] + backends}", flush=True)
     ceil = ceilings(device, args.smoke)
     print(f"ceilings: copy {ceil['copy_bw'] / 1e9:.0f} GB/s, bf16 matmul {ceil['matmul'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -924,26 +954,7 @@ def main() -> None:
     variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60"), rows, ctx1, steps)
     del e
     if device.type == "cuda":
-        t, td, copy, exact = cuda_ipc_row()
-        rows.append((f"cuda_ipc, 4096 tokens of 8B KV, scattered, into another process: device ms of the send "
-                     f"(copy ms); exact={exact}", td * 1e3, copy * 1e3, td / copy, "<= 1.25"))
-        rows.append(("cuda_ipc, the same: host wall ms of send() until the pages are in place (copy ms)", t * 1e3,
-                     copy * 1e3, t / copy, "(for comparison)"))
-        print(rows[-2:], flush=True)
-    if device.type == "cuda":
-        from transfer import available_backends
-
-        for backend in [b for b in ("nixl", "tcp") if b in available_backends(on_gpu=True)]:
-            tokens = 1024
-            try:
-                t, exact = transfer_row(backend, tokens)
-                nbytes = tokens * kv_bytes_per_token_8b()
-                rows.append((f"{backend}, {tokens} tokens of 8B KV, scattered, GPU to GPU between processes: ms per "
-                             f"send (GB/s); exact={exact}", t * 1e3, nbytes / t / 1e9, None, "(for comparison)"))
-            except Exception as ex:
-                rows.append((f"{backend} transfer between processes on the GPU", None, None, None,
-                             f"failed: {ex!r:.120}"))
-            print(rows[-1], flush=True)
+        transfer_rows(rows)
     if args.pd_tokenizer and device.type == "cuda":
         # The service rows: real `pdserve up` processes on this GPU, the 8B layer shapes with the vocabulary of
         # the tokenizer given (the coordinator needs one to serve).
@@ -961,12 +972,7 @@ def main() -> None:
         rows.append(("TTFT 1P1D vs colocated, greedy 1P1D = colocated", None, None, None,
                      "not run: give --pd-tokenizer (and the service's packages)"))
 
-    print()
-    print("| figure | value | ceiling / peer | ratio | target |")
-    print("|---|---|---|---|---|")
-    for label, value, ref, ratio, target in rows:
-        fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
-        print(f"| {label} | {fmt(value)} | {fmt(ref)} | {fmt(ratio)} | {target} |")
+    print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -16,7 +16,7 @@ try:
 except ImportError:
     triton = None
 
-# Elements each program copies, and its warps (bench/gpu.py --only-ipc sweeps them).
+# Elements each program copies, and its warps (bench/gpu.py --only-transfers times them).
 CHUNK = 4096
 WARPS = 4
 
