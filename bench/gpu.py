@@ -343,7 +343,7 @@ def cuda_ipc_row(tokens: int = 4096) -> tuple[float, float, bool]:
     g = torch.Generator().manual_seed(0)
     src = (torch.randperm(pages - 1, generator=g)[:n] + 1).tolist()
     dst = (torch.randperm(pages - 1, generator=g)[:n] + 1).tolist()
-    rounds = 6
+    rounds = 21
     from_parent.put((dst, rounds))
     t = CudaIpcTransfer(pool, "prefill", "127.0.0.1")
     remote, _ = t._peer("decode", endpoint)
@@ -605,35 +605,26 @@ def greedy_tokens(engine: Engine, ctx: int, n: int) -> list[int]:
 
 
 def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int) -> None:
-    """The batch-1 step with each optional fusion (off by default until measured) against `engine`, the
-    default: step time, and whether 32 greedy tokens agree with the default's."""
-    from kernels.attention.triton_backend import TritonBackend
-
-    variants = [("norms folded into the GEMV (PDSERVE_FOLD_NORMS=1)", True, False),
-                ("attention merged in the split kernel", False, True),
-                ("both", True, True)]
+    """The batch-1 step with the norms folded into the projections (off by default until measured) against
+    `engine`, the default: step time, and whether 32 greedy tokens agree with the default's."""
+    name = "norms folded into the GEMV (PDSERVE_FOLD_NORMS=1)"
     base = greedy_tokens(engine, ctx, 32)
-    for name, fold, merge in variants:
-        if merge and engine.args.attention_backend != "triton":
-            continue
-        os.environ["PDSERVE_FOLD_NORMS"] = "1" if fold else "0"
-        TritonBackend.merge_in_split = merge
-        try:
-            e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
-            t = decode_step_time(e, 1, ctx, steps)
-            same = greedy_tokens(e, ctx, 32) == base
-            del e
-        except Exception as ex:  # an experiment must not take the rest of the suite down with it
-            rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}", None, None, None, f"failed: {ex!r:.120}"))
-            print(rows[-1], flush=True)
-            continue
-        finally:
-            os.environ.pop("PDSERVE_FOLD_NORMS")
-            TritonBackend.merge_in_split = False
-            gc.collect()
-        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
-                     f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
+    os.environ["PDSERVE_FOLD_NORMS"] = "1"
+    try:
+        e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
+        t = decode_step_time(e, 1, ctx, steps)
+        same = greedy_tokens(e, ctx, 32) == base
+        del e
+    except Exception as ex:  # an experiment must not take the rest of the suite down with it
+        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}", None, None, None, f"failed: {ex!r:.120}"))
         print(rows[-1], flush=True)
+        return
+    finally:
+        os.environ.pop("PDSERVE_FOLD_NORMS")
+        gc.collect()
+    rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
+                 f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
+    print(rows[-1], flush=True)
 
 
 def kernel_time(fn, iters: int = 20) -> float:
@@ -929,22 +920,6 @@ def main() -> None:
                      t_bf16 / t_fp8, ">= 1.6x"))
         print(rows[-1], flush=True)
         del e
-        # The experiment: one-token FP8 projections on the tensor cores (Fp8Linear.one_token = "dot").
-        from kernels.fp8_linear import Fp8Linear
-
-        Fp8Linear.one_token = "dot"
-        try:
-            e = engine_for(big, fast, 8192, device, dtype, quantization="fp8")
-            t_dot = decode_step_time(e, 1, ctx1, steps)
-            rows.append((f"{bn} FP8 weights, batch-1, one-token projections on the tensor cores: step ms "
-                         f"(GEMV ms)", t_dot * 1e3, t_fp8 * 1e3, t_fp8 / t_dot, "(for comparison)"))
-            del e
-        except Exception as ex:
-            rows.append((f"{bn} FP8 weights, batch-1, one-token projections on the tensor cores", None, None, None,
-                         f"failed: {ex!r:.120}"))
-        finally:
-            Fp8Linear.one_token = "gemv"
-        print(rows[-1], flush=True)
     del big
     if device.type == "cuda":
         torch.cuda.empty_cache()

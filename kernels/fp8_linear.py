@@ -37,10 +37,6 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
-    # One token: "gemv" (kernels/gemv.py, FMA on widened weights) or "dot" (the small-M kernel below, the token
-    # padded to 16 rows on the tensor cores). bench/gpu.py times both; "dot" is an experiment until it does.
-    one_token = "gemv"
-
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, scale = quantize_per_channel(linear.weight.data)
@@ -57,7 +53,7 @@ class Fp8Linear(nn.Module):
         if norm is not None or residual is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act,
                         norm=None if norm is None else (norm.weight, norm.eps), residual=residual)
-        if x.shape[0] == 1 and x.is_cuda and triton is not None and self.one_token == "gemv":
+        if x.shape[0] == 1 and x.is_cuda and triton is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
         if act == "silu_mul":
             x = silu_and_mul(x)
@@ -65,8 +61,7 @@ class Fp8Linear(nn.Module):
             w = self.weight_t.t().to(x.dtype) * self.scale.t().to(x.dtype)
             return F.linear(x, w, self.bias)
         if x.shape[0] <= SMALL_M and triton is not None:
-            return fp8_weight_matmul(x, self.weight_t.t(), self.scale.view(-1), self.bias,
-                                     one_row_gemv=self.one_token == "gemv")
+            return fp8_weight_matmul(x, self.weight_t.t(), self.scale.view(-1), self.bias)
         amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
         x_scale = amax / FP8_MAX
         xq = (x / x_scale.to(x.dtype)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -79,14 +74,15 @@ SMALL_M = 16  # batches up to this many tokens use the weight-only kernel
 
 
 def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, one_row_gemv: bool = True) -> torch.Tensor:
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) times FP8 w [N, K] (row-major) with per-row scale [N], + bias: [M, N] in x's dtype.
-    One row goes to the GEMV unless one_row_gemv is False (Fp8Linear.one_token)."""
+    One row goes to the GEMV (kernels/gemv.py): the tensor-core kernel below pads it to sixteen and measured
+    0.59x as fast over the 8B step (benchmarks.md, run P)."""
     m, k = x.shape
     n = w.shape[0]
     if m > SMALL_M or w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"fp8_weight_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}")
-    if m == 1 and one_row_gemv:  # one token: a plain multiply-and-reduce (no padding of one row to sixteen)
+    if m == 1:  # one token: a plain multiply-and-reduce (no padding of one row to sixteen)
         return gemv(x, w, scale, bias)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -12,8 +12,9 @@ same kernel reads half the bytes for `--quantization fp8`.
 kernel rounds it: down_proj and its activation in one launch.
 
 The residual stream can fold into the projections on either side of it, so that a layer has no norm kernels
-of its own: `norm=(weight, eps)` takes x as the residual stream and projects rmsnorm(x) * weight (each
-program reads the whole token once to find its scale, rounding as kernels/fused.py does), and `residual=r`
+of its own: `norm=(weight, eps)` takes x as the residual stream and projects rmsnorm(x) * weight (the norm's scale is
+gathered in the K loop and applied to the finished rows; the normed token is never rounded to bf16 on the
+way, so this is a little more exact than the separate norm kernel), and `residual=r`
 adds the projection to r in place (rounded to r's dtype, as the separate add is) and returns r.
 """
 
@@ -59,7 +60,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
             w.stride(0), eps)
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=2 if norm is not None else ACTS[act],
-                 ADD_TO_OUT=residual is not None, BLOCK_X=triton.next_power_of_2(k) if norm is not None else 1)
+                 ADD_TO_OUT=residual is not None)
     if x.is_cuda:
         on = pdl.enabled(x)
         bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size())
@@ -87,22 +88,18 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2) -> tuple
 
 if triton is not None:
     @triton.jit
-    def _load_x(X, NW, kk, K, rstd, ACT: tl.constexpr):
+    def _load_x(X, kk, K, ACT: tl.constexpr):
         if ACT == 1:  # silu(gate) * up, each product rounded to the activation dtype as silu_and_mul does
             g = tl.load(X + kk, mask=kk < K, other=0.0)
             u = tl.load(X + K + kk, mask=kk < K, other=0.0)
             gf = g.to(tl.float32)
             s = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
             return (s * u).to(tl.float32)
-        if ACT == 2:  # rmsnorm(x) * weight, rounded as the add + rmsnorm kernel rounds it
-            x = tl.load(X + kk, mask=kk < K, other=0.0)
-            nw = tl.load(NW + kk, mask=kk < K, other=0.0)
-            return (nw * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
         return tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, HAS_SCALE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_X: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,20 +111,22 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        rstd = 1.0
-        if ACT == 2:
-            # The whole token in one load (one round trip to L2, not one per K slice) for its scale.
-            cols = tl.arange(0, BLOCK_X)
-            xs = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = _load_x(X, NW, k0 + rk, K, rstd, ACT)
+            x = _load_x(X, k0 + rk, K, ACT)
+            if ACT == 2:
+                # rmsnorm's scale is one number for the whole token: gather its sum of squares on the way and
+                # apply it to the finished rows, so the token is read once, in the slices the loop reads anyway.
+                sq += x * x
+                x = x * tl.load(NW + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
             nk = k0 + BLOCK_K + rk
             w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             w = w_next
         y = tl.sum(acc, axis=1)
+        if ACT == 2:
+            y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         if HAS_SCALE:
             y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:

@@ -66,14 +66,12 @@ def close(a, b, tol):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-@pytest.mark.parametrize("regime", ["few-requests", "many-requests", "merged-in-split"])
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
 def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
 
     if regime == "many-requests":  # the launch settings of large batches (TritonBackend.decode_large)
         monkeypatch.setattr(TritonBackend, "target_programs", 1)
-    if regime == "merged-in-split":  # the last split of a group merges, no second kernel
-        monkeypatch.setattr(TritonBackend, "merge_in_split", True)
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
     outs = run(cfg, prefix, [1] * len(prefix), layout=layout)
@@ -99,24 +97,6 @@ def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, monk
     step = create_backend("triton", pool, cfg).plan(dataclasses.replace(x, max_seq_len=131072))
     assert step.splits > 8
     assert close(step.attend(q, 0), ref, 1e-4)
-
-
-def test_split_merge_counters_are_left_zeroed_for_the_next_layer(monkeypatch):
-    from kernels.attention.triton_backend import TritonBackend
-
-    monkeypatch.setattr(TritonBackend, "merge_in_split", True)
-    cfg = config()
-    pool = KVPool(96, PAGE, 2, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", "NHD")
-    pool.data.normal_()
-    x = batch(pool, [300, 40, 7], [1, 1, 1], torch.Generator().manual_seed(3))
-    backend = create_backend("triton", pool, cfg)
-    step = backend.plan(x)
-    q = torch.randn(3, cfg.num_attention_heads, cfg.head_dim)
-    first = [step.attend(q, layer) for layer in (0, 1)]
-    assert not backend.split_counts(1).any()
-    assert all(torch.equal(a, step.attend(q, layer)) for layer, a in zip((0, 1), first))
-    ref = create_backend("torch", pool, cfg).plan(x)
-    assert close(first[1], ref.attend(q, 1), 1e-4)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -204,9 +184,10 @@ def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout)
 
 
 # Activations in float16 and float32: the interpreter's bfloat16 dot is wrong (the GPU bench runs bf16).
-@pytest.mark.parametrize("m, bias, dtype, gemv", [(1, False, torch.float16, True), (1, True, torch.float16, False),
-                                                  (5, True, torch.float32, True), (16, False, torch.float16, True)])
-def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype, gemv):
+# One row goes to the GEMV, more to the small-batch kernel.
+@pytest.mark.parametrize("m, bias, dtype", [(1, False, torch.float16), (2, True, torch.float16),
+                                            (5, True, torch.float32), (16, False, torch.float16)])
+def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype):
     from kernels.fp8_linear import fp8_weight_matmul, quantize_per_channel
 
     g = torch.Generator().manual_seed(m)
@@ -214,7 +195,7 @@ def test_fp8_weight_kernel_matches_widened_weights(m, bias, dtype, gemv):
     q, scale = quantize_per_channel(w)
     x = torch.randn(m, 200, generator=g).to(dtype)
     b = torch.randn(72, generator=g).to(dtype) if bias else None
-    got = fp8_weight_matmul(x, q, scale, b, one_row_gemv=gemv).float()
+    got = fp8_weight_matmul(x, q, scale, b).float()
     ref = x.float() @ (q.float() * scale[:, None]).t() + (b.float() if bias else 0)
     assert got.shape == (m, 72)
     assert close(got, ref, 1e-2)

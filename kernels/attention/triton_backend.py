@@ -25,15 +25,15 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KV, indptr, indices, seq_lens, O_part, LSE_part, Out, Count,
+    Q, KV, indptr, indices, seq_lens, O_part, LSE_part,
     stride_qb, stride_qh,
     stride_kp, stride_kkv, stride_ks, stride_kh,
     stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, stride_b, stride_h,
+    stride_lb, stride_lh,
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -87,29 +87,6 @@ def _decode_split_kernel(
     omask = (g[:, None] < G) & (d[None, :] < D)
     tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out, mask=omask)
     tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
-    if MERGE:
-        # The group's last split to finish merges all of them (no second kernel): every program's stores
-        # are ordered before its count (barrier, then a release), and the last one reads the others' after
-        # its acquire, from L2.
-        tl.debug_barrier()
-        counter = Count + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == S - 1:
-            si = tl.arange(0, BLOCK_S)
-            lse_all = tl.load(LSE_part + b * stride_lb + heads[:, None] * stride_lh + si[None, :],
-                              mask=(g[:, None] < G) & (si[None, :] < S), other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(lse_all, axis=1)
-            top = tl.where(top == float("-inf"), 0.0, top)  # the padding rows of the group
-            wts = tl.exp(lse_all - top[:, None])
-            total = tl.sum(wts, axis=1)
-            wts = wts / tl.where(total > 0, total, 1.0)[:, None]
-            merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for j in range(0, S):
-                o_j = tl.load(O_part + b * stride_ob + heads[:, None] * stride_oh + j * stride_os + d[None, :],
-                              mask=omask, other=0.0, cache_modifier=".cg")
-                merged += o_j * tl.sum(tl.where(si[None, :] == j, wts, 0.0), axis=1)[:, None]
-            tl.store(Out + b * stride_b + heads[:, None] * stride_h + d[None, :],
-                     merged.to(Out.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(counter, 0)  # ready for the next layer and the next step (graphs replay it)
 
 
 @triton.jit
@@ -217,20 +194,6 @@ class TritonBackend(AttentionBackend):
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
     # planned for a long context stay small however large the batch.
     max_programs = 16384
-    # The last split of each (request, KV head) merges the splits itself instead of a second kernel: one
-    # launch fewer per layer. Off until measured on a GPU (bench/gpu.py compares both).
-    merge_in_split = False
-
-    def __init__(self, pool, config):
-        super().__init__(pool, config)
-        self._counts: torch.Tensor | None = None
-
-    def split_counts(self, programs: int) -> torch.Tensor:
-        """Zeroed counters, one per (request, KV head), that the kernel leaves zeroed. Grown outside CUDA graph
-        capture (the graphs' warm-up runs every batch size first), so a graph never zeroes them itself."""
-        if self._counts is None or self._counts.numel() < programs:
-            self._counts = torch.zeros(max(programs, 1024), dtype=torch.int32, device=self.pool.device)
-        return self._counts
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
@@ -253,7 +216,6 @@ class _TritonStep(AttentionStep):
         want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, launch.max_chunk))
         self.splits = max(1, min(want, backend.max_splits, backend.max_programs // programs,
                                  triton.cdiv(x.max_seq_len, launch.min_chunk)))
-        self.counts = backend.split_counts(programs) if x.is_decode and backend.merge_in_split else None
 
     def attend(self, q, layer_id):
         x = self.x
@@ -268,28 +230,25 @@ class _TritonStep(AttentionStep):
             bsz = x.batch_size
             o_part = torch.empty(bsz, heads, self.splits, dim, dtype=torch.float32, device=q.device)
             lse = torch.empty(bsz, heads, self.splits, dtype=torch.float32, device=q.device)
-            merge = self.counts is not None
             _decode_split_kernel[(bsz, heads // self.group, self.splits)](
-                q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse, out,
-                self.counts if merge else lse,
+                q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse,
                 q.stride(0), q.stride(1),
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                lse.stride(0), lse.stride(1),
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
-                PDL=on, MERGE=merge, BLOCK_S=max(2, triton.next_power_of_2(self.splits)),
+                PDL=on,
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
-            if not merge:
-                _decode_merge_kernel[(bsz, heads)](
-                    o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
-                    lse.stride(1), out.stride(0), out.stride(1), S=self.splits,
-                    BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d, PDL=on,
-                    launch_pdl=on,
-                )
+            _decode_merge_kernel[(bsz, heads)](
+                o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
+                lse.stride(1), out.stride(0), out.stride(1), S=self.splits,
+                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d, PDL=on,
+                launch_pdl=on,
+            )
             return out
         block_m = 128
         _prefill_kernel[(x.batch_size, heads, triton.cdiv(x.max_extend_len, block_m))](
