@@ -5,6 +5,10 @@ maps it on first use and copies a request's pages for all layers with one page-c
 copy has finished on the GPU (an event), the notification goes over ZMQ to the decode worker. Writes are
 one-sided, as with NIXL (see transfer/base.py on aborts).
 
+The notification is sent by a thread of its own that sleeps on each copy's event. The worker's loop only
+notices a finished copy between engine steps, and a prefill step can take a hundred milliseconds: the decode
+worker, and the request's first token, would wait for it.
+
 A send is one CUDA graph replay: per peer and per page count rounded up to a power of two, a graph copies the
 page lists from a fixed pinned buffer to the device and runs the page-copy kernel (padding pairs are skipped).
 Launching the two from Python costs more host time than the copy itself takes on the GPU for a few thousand
@@ -14,7 +18,9 @@ tokens, and that host time is TTFT.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
+import threading
 
 import msgspec
 import torch
@@ -77,9 +83,58 @@ class _CopyGraph:
         self.lists[1, :n] = dst_pages
         self.lists[:, n:] = -1
         self.graph.replay()
-        self.last = torch.cuda.Event()
+        self.last = torch.cuda.Event(blocking=True)
         self.last.record()
         return self.last
+
+
+class _Notifier(threading.Thread):
+    """Waits for each copy's event in order and then sends its notification. It owns the notification sockets
+    (a ZMQ socket belongs to one thread); the worker's thread hands it jobs and reads back the results."""
+
+    def __init__(self, ctx: zmq.Context, device: torch.device):
+        super().__init__(name="cuda-ipc-notify", daemon=True)
+        self.ctx = ctx
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (rid, error or None)
+
+    def notify(self, rid: str, event: torch.cuda.Event, addr: str, note: bytes) -> None:
+        self.jobs.put((rid, event, addr, note))
+
+    def forget(self, addr: str) -> None:
+        """Close the socket to a peer that left, after every notification queued before."""
+        self.jobs.put((None, None, addr, None))
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.join(timeout=10)
+
+    def run(self) -> None:
+        torch.cuda.set_device(self.device)
+        socks: dict[str, zmq.Socket] = {}
+        while (job := self.jobs.get()) is not None:
+            rid, event, addr, note = job
+            if rid is None:
+                sock = socks.pop(addr, None)
+                if sock is not None:
+                    sock.close(0)
+                continue
+            error = None
+            try:
+                event.synchronize()  # a blocking event: the thread sleeps, the GIL is released
+                if addr not in socks:
+                    sock = socks[addr] = self.ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(addr)
+                socks[addr].send_multipart([rid.encode(), note], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # not taking notices (Again), or gone
+                error = f"cuda_ipc: notice not sent: {e}"
+            except Exception as e:  # the copy itself failed on the device: report it, keep serving the rest
+                error = f"cuda_ipc: {e}"
+            self.results.put((rid, error))
+        for sock in socks.values():
+            sock.close(0)
 
 
 class CudaIpcTransfer(TransferEngine):
@@ -96,10 +151,12 @@ class CudaIpcTransfer(TransferEngine):
         self.rx.setsockopt(zmq.LINGER, 0)
         self.rx.bind(f"tcp://{host}:*")
         self.addr = self.rx.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.peers: dict[str, tuple[torch.Tensor, zmq.Socket, bytes]] = {}  # mapped pool, notices, endpoint
+        self.peers: dict[str, tuple[torch.Tensor, str, bytes]] = {}  # mapped pool, notice address, endpoint
         self.graphs: dict[tuple[str, int], _CopyGraph] = {}
-        self.pending: list[tuple[str, torch.cuda.Event, bytes, zmq.Socket, float, int]] = []
+        # Sends whose notification the notifier has not reported yet: rid -> (event, peer, start, bytes).
+        self.inflight: dict[str, tuple[torch.cuda.Event, str, float, int]] = {}
         self.done: list[SendResult] = []
+        self.notifier: _Notifier | None = None
 
     def endpoint(self) -> bytes:
         data = self.pool.data
@@ -123,10 +180,7 @@ class CudaIpcTransfer(TransferEngine):
             storage = torch.UntypedStorage._new_shared_cuda(*ep.handle)
             remote = torch.empty(0, dtype=self.pool.dtype, device=self.pool.device)
             remote.set_(storage, 0, tuple(ep.shape))
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep.notify_addr)
-            self.peers[peer_id] = (remote, sock, endpoint)
+            self.peers[peer_id] = (remote, ep.notify_addr, endpoint)
         return self.peers[peer_id][:2]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
@@ -134,15 +188,21 @@ class CudaIpcTransfer(TransferEngine):
         if self._departed(rid, peer_id, peer_endpoint):
             return
         try:
-            remote, sock = self._peer(peer_id, peer_endpoint)
+            remote, addr = self._peer(peer_id, peer_endpoint)
             n = len(src_pages)
             if len(dst_pages) != n:
                 raise ValueError("source and destination page lists differ in length")
+            if rid in self.inflight:
+                raise ValueError(f"a send of {rid} is already in flight")
             event = self._copy(peer_id, remote, src_pages, dst_pages)
         except (ValueError, RuntimeError) as e:
             self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
             return
-        self.pending.append((rid, event, notify, sock, t0, len(src_pages) * self.pool.page_bytes))
+        if self.notifier is None:
+            self.notifier = _Notifier(self.ctx, self.pool.device)
+            self.notifier.start()
+        self.inflight[rid] = (event, peer_id, t0, n * self.pool.page_bytes)
+        self.notifier.notify(rid, event, addr, notify)
 
     def _copy(self, peer_id: str, remote: torch.Tensor, src_pages, dst_pages) -> torch.cuda.Event:
         n = len(src_pages)
@@ -160,22 +220,21 @@ class CudaIpcTransfer(TransferEngine):
         host.numpy()[n:] = dst_pages
         pages = host.to(self.pool.device, non_blocking=True)
         copy_pages(self.pool.data, remote, pages[:n], pages[n:])
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record()
         return event
 
     def poll_sent(self):
-        still = []
-        for rid, event, notify, sock, t0, nbytes in self.pending:
-            if not event.query():
-                still.append((rid, event, notify, sock, t0, nbytes))
+        while self.notifier is not None:
+            try:
+                rid, error = self.notifier.results.get_nowait()
+            except queue.Empty:
+                break
+            entry = self.inflight.pop(rid, None)
+            if entry is None:  # reported already (its peer left first)
                 continue
-            try:  # the pages are in place: tell the receiver
-                sock.send_multipart([rid.encode(), notify], flags=zmq.NOBLOCK)
-                self.done.append(self._record(SendResult(rid, True, nbytes=nbytes, seconds=now() - t0)))
-            except zmq.ZMQError as e:  # not taking notices (Again), or gone
-                self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: notice not sent: {e}")))
-        self.pending = still
+            _, _, t0, nbytes = entry
+            self.done.append(self._record(SendResult(rid, error is None, error or "", nbytes, now() - t0)))
         out, self.done = self.done, []
         return out
 
@@ -208,19 +267,18 @@ class CudaIpcTransfer(TransferEngine):
         for g in graphs:
             if g.last is not None:
                 g.last.synchronize()
-        sock = entry[1]
-        keep = []
-        for p in self.pending:
-            if p[3] is sock:
-                p[1].synchronize()
-                self.done.append(self._record(SendResult(p[0], False, f"cuda_ipc: peer {peer_id} left")))
-            else:
-                keep.append(p)
-        self.pending = keep
-        sock.close(0)
+        for rid, (event, peer, _, _) in list(self.inflight.items()):
+            if peer == peer_id:
+                event.synchronize()
+                del self.inflight[rid]
+                self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: peer {peer_id} left")))
+        if self.notifier is not None:
+            self.notifier.forget(entry[1])
         self._mark_departed(peer_id, entry[2])
 
     def close(self):
         for peer in list(self.peers):
             self.drop_peer(peer)
+        if self.notifier is not None:
+            self.notifier.stop()
         self.rx.close(0)
