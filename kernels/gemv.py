@@ -63,7 +63,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                  ADD_TO_OUT=residual is not None)
     if x.is_cuda:
         on = pdl.enabled(x)
-        bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size())
+        bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size(), norm is not None)
         _gemv_kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                            num_stages=stages)
     else:  # the interpreter (tests): one small configuration
@@ -72,14 +72,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
 
 
 @functools.lru_cache(maxsize=None)
-def config(n: int, k: int, device: torch.device, element_size: int = 2) -> tuple[int, int, int, int]:
+def config(n: int, k: int, device: torch.device, element_size: int = 2,
+           norm: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight: a fixed choice, never a timed one, so that every
     process computes a projection with the same summation order and greedy tokens agree across workers (a
     prefill and a decode worker, or two replicas). The choices are the best or near-best of
-    `python -m bench.gpu --tune-gemv` on an H200 for the 8B shapes (docs/benchmarks.md)."""
+    `python -m bench.gpu --tune-gemv` on an H200 for the 8B shapes (docs/benchmarks.md). A folded norm
+    (`norm`) costs each program work per token element, so it gets programs of at least eight rows."""
     if element_size == 1:  # FP8: long K slices for long rows (down_proj), else eight rows of 512
         return (4, 2048, 4, 2) if k >= 8192 else (8, 512, 2, 3)
-    if k >= 4096 and n >= 4 * k:  # gate_up: 0.98 of the copy ceiling against 0.96
+    if k >= 4096 and n >= 4 * k and not norm:  # gate_up: 0.98 of the copy ceiling against 0.96
         return 2, 2048, 2, 2
     if k >= 4096 and n > k:  # qkv: 0.85 against 0.78
         return 16, 512, 4, 3

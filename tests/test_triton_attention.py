@@ -79,16 +79,24 @@ def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     assert torch.equal(outs["triton"][1], outs["torch"][1]), "both store the new K/V identically"
 
 
+@pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
-def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, monkeypatch):
-    """A CUDA graph plans its splits for the longest context it may replay; shorter ones leave splits empty."""
+def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, window, monkeypatch):
+    """A CUDA graph plans its splits for the longest context it may replay; shorter ones leave splits empty,
+    and the merge reads only the splits each request has (the others hold whatever was there before)."""
     import dataclasses
 
     from kernels.attention.triton_backend import TritonBackend
 
     if regime == "many-requests":
         monkeypatch.setattr(TritonBackend, "target_programs", 1)
-    cfg = config()
+    cfg = config(window=window)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kw):  # the partial outputs start as NaN, not as whatever memory held
+        return real_empty(*args, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
     pool = KVPool(96, PAGE, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", "NHD")
     pool.data.normal_()
     x = batch(pool, [600, 5, 300, 17], [1, 1, 1, 1], torch.Generator().manual_seed(4))

@@ -85,27 +85,36 @@ def _decode_split_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     omask = (g[:, None] < G) & (d[None, :] < D)
-    tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out, mask=omask)
-    tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
+    # An empty split (a context far shorter than the graph was planned for) stores nothing: the merge reads
+    # only the splits its request has.
+    if has:
+        tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out,
+                 mask=omask)
+        tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
 
 
 @triton.jit
-def _decode_merge_kernel(O_part, LSE_part, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         stride_b, stride_h, S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _decode_merge_kernel(O_part, LSE_part, Out, seq_lens, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         stride_b, stride_h, window, S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    # The splits this request has, cut as the split kernel cuts them.
+    n = tl.load(seq_lens + b)
+    if window > 0:
+        n = n - tl.maximum(n - window, 0)
+    used = tl.cdiv(n, tl.maximum(tl.cdiv(n, S), MIN_CHUNK))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + s, mask=s < S, other=float("-inf"))
+    lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + s, mask=s < used, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp(lse - m)
     w = w / tl.sum(w, axis=0)
     o = tl.load(O_part + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                mask=(s[:, None] < S) & (d[None, :] < D), other=0.0)
+                mask=(s[:, None] < used) & (d[None, :] < D), other=0.0)
     out = tl.sum(o * w[:, None], axis=0)
     tl.store(Out + b * stride_b + h * stride_h + d, out.to(Out.dtype.element_ty), mask=d < D)
 
@@ -244,10 +253,10 @@ class _TritonStep(AttentionStep):
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
             _decode_merge_kernel[(bsz, heads)](
-                o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
-                lse.stride(1), out.stride(0), out.stride(1), S=self.splits,
-                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d, PDL=on,
-                launch_pdl=on,
+                o_part, lse, out, x.seq_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), self.window, S=self.splits,
+                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d,
+                MIN_CHUNK=self.launch.min_chunk, PDL=on, launch_pdl=on,
             )
             return out
         block_m = 128
