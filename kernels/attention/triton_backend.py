@@ -41,53 +41,52 @@ def _decode_split_kernel(
     # The step's page table is written before the step starts; q and the new token's K/V by the previous kernel.
     seq_len = tl.load(seq_lens + b)
     page_base = tl.load(indptr + b)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
     # Each request's own KV range is cut into at most S splits of at least MIN_CHUNK tokens: S is fixed at
     # plan time for the longest context a CUDA graph may replay, and a shorter context leaves the last
-    # splits empty rather than cutting its KV into slivers.
+    # splits empty rather than cutting its KV into slivers. An empty split ends here, storing nothing (the
+    # merge reads only the splits its request has): a graph planned for 128k tokens replayed at 2k has
+    # seven empty programs for each busy one.
     chunk = tl.maximum(tl.cdiv(seq_len - lo, S), MIN_CHUNK)
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * G + g
-    # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        valid = t < end
-        # One page-table read per token: tiles of whole pages with one read per page (a reshape of
-        # [pages, PAGE] rows) measured 2-2.4x slower on an H200 (benchmarks.md, run O).
-        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
-        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
-        kmask = valid[:, None] & (d[None, :] < D)
-        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
-        k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
-        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
-    has = end > start
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    omask = (g[:, None] < G) & (d[None, :] < D)
-    # An empty split (a context far shorter than the graph was planned for) stores nothing: the merge reads
-    # only the splits its request has.
-    if has:
+    if end > start:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * G + g
+        # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            valid = t < end
+            # One page-table read per token: tiles of whole pages with one read per page (a reshape of
+            # [pages, PAGE] rows) measured 2-2.4x slower on an H200 (benchmarks.md, run O).
+            page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+            kmask = valid[:, None] & (d[None, :] < D)
+            # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+            k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
+        omask = (g[:, None] < G) & (d[None, :] < D)
         tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out,
                  mask=omask)
         tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
