@@ -192,7 +192,7 @@ class TritonBackend(AttentionBackend):
     # Two regimes. Few requests (fewer (request, KV head) pairs than target_programs) need many short splits
     # to fill the SMs: 32-token tiles, 3 stages (the batch-1 rows of benchmarks.md, run N). Many requests
     # stream long splits: 64-token tiles, 4 stages, splits of up to 1024 tokens took the batch-64, 2k-context
-    # 8B step from 11.52 ms to 10.95 ms (run O, `python -m bench.gpu --batch64`).
+    # 8B step from 11.52 ms to 10.95 ms (run O; `python -m bench.gpu --tune-decode` sweeps these).
     # A split is at least one tile for few requests (one tile a program at short contexts) and at least 512
     # tokens for many (the 4 splits of 513 tokens that run O's batch-64, 2k-context graph used).
     decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32)
