@@ -7,8 +7,10 @@ launched with PDL is scheduled as soon as every program of the previous kernel h
 index tensors) and only then waits (`gdc_wait`) for the previous kernel's results.
 
 Rules every kernel here follows, because the wait is what keeps the stream's order:
-- every program calls `gdc_wait()` before it writes anything or reads an activation, early exits included,
-  so a grid never completes before its predecessor (its successor waits on it alone);
+- every program calls `gdc_wait()` before it writes anything or reads an activation, so a grid never
+  completes before its predecessor (its successor waits on it alone). A program that does neither may return
+  without waiting only if some program of its grid always waits: the split-KV decode kernel's empty splits
+  return at once, and the first split of every request waits;
 - `gdc_launch_dependents()` comes after the wait, so at most one grid is waiting ahead of the running one.
 The kernels take a `PDL` constexpr and are launched with `launch_pdl=PDL`; without PDL the calls compile
 out, and the launch is an ordinary one (the interpreter and pre-Hopper GPUs). PDSERVE_PDL=0 turns it off.
