@@ -739,6 +739,42 @@ def diagnose(device, dtype) -> None:
     os.environ.pop("PDSERVE_PDL")
 
 
+def profile_host(device, dtype, smoke: bool) -> None:
+    """Where the host's time goes in eager steps (no CUDA graph): Python's profile of 8B batch-1 decode steps
+    and of 128-token prefills, by own time. An eager step takes several times its device time, and prefill
+    steps of short prompts and decode batches above the largest graph run eagerly."""
+    import cProfile
+    import pstats
+
+    cfg = dict(SMOKE_CONFIG) if smoke else json.load(open(os.path.join(HERE, "configs", "llama-3.1-8b.json")))
+    model = build(cfg, device, dtype)
+    e = engine_for(model, "triton" if device.type == "cuda" else "torch", 8192, device, dtype, graphs=False)
+    vocab = model.config.vocab_size
+    for label, prompt, new, steps in (("decode, batch 1, 1024 ctx", 1024, 64, 20), ("prefill of 128 tokens", 128, 1, 10)):
+        prof = cProfile.Profile()
+        times = []
+        for i in range(steps + 2):
+            r = e.add_request(random_prompt(prompt, vocab, i), SamplingParams(temperature=0, max_tokens=new,
+                                                                              ignore_eos=True))
+            if new > 1:  # decode: prefill first, then profile the decode steps
+                while r.num_output < 2:
+                    e.step()
+            sync()
+            t0 = time.perf_counter()
+            if i >= 2:
+                prof.enable()
+            e.step()
+            sync()
+            if i >= 2:
+                prof.disable()
+                times.append(time.perf_counter() - t0)
+            e.abort(r.rid)
+            while e.has_work():
+                e.step()
+        print(f"{label}: eager step ms, median of {steps}: {statistics.median(times) * 1e3:.2f}", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def transfer_rows(rows: list) -> None:
     """KV transfer between two processes on this GPU: cuda_ipc against a contiguous copy, then nixl and tcp."""
     from transfer import available_backends
@@ -777,6 +813,7 @@ def main() -> None:
     ap.add_argument("--tune-decode", action="store_true",
                     help="the decode kernel's settings for large batches, and the batch-64 step with the fastest")
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
+    ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
     ap.add_argument("--tune-gemv", action="store_true", help="time the one-token GEMV's launch configurations")
     ap.add_argument("--pd-tokenizer", default=None,
@@ -800,6 +837,8 @@ def main() -> None:
         return tune_gemv(device)
     if args.diagnose:
         return diagnose(device, dtype)
+    if args.profile_host:
+        return profile_host(device, dtype, args.smoke)
     if args.only_transfers:
         rows = []
         transfer_rows(rows)
