@@ -140,3 +140,56 @@ def test_a_peer_that_restarts_under_the_same_id_gets_its_pages_and_a_dropped_pee
     assert tx.peers_held() == 0
     tx.close()
     new.close()
+
+
+class _Copy:
+    """A stand-in for a copy's CUDA event: synchronize() returns once the test finishes the copy."""
+
+    def __init__(self, fails: bool = False):
+        import threading
+
+        self.finished = threading.Event()
+        self.fails = fails
+
+    def synchronize(self):
+        assert self.finished.wait(10)
+        if self.fails:
+            raise RuntimeError("an illegal memory access was encountered")
+
+
+def test_cuda_ipc_notifications_leave_in_order_once_their_copies_finish():
+    """The notifier thread of the cuda_ipc sender: a note goes out only after its copy, in the order the
+    sends were made; a failed copy is reported and sends no note, and the thread carries on."""
+    from transfer.cuda_ipc import _Notifier
+
+    ctx = zmq.Context.instance()
+    rx = ctx.socket(zmq.PULL)
+    rx.bind("tcp://127.0.0.1:*")
+    addr = rx.getsockopt_string(zmq.LAST_ENDPOINT)
+    notifier = _Notifier(ctx, None)
+    notifier.start()
+    try:
+        copies = {rid: _Copy(fails=rid == "r2") for rid in ("r1", "r2", "r3")}
+        for rid, copy in copies.items():
+            notifier.notify(rid, copy, addr, f"ready {rid}".encode())
+        copies["r3"].finished.set()  # finishes first, but its note waits for r1's
+        assert rx.poll(300) == 0
+        copies["r1"].finished.set()
+        assert rx.recv_multipart() == [b"r1", b"ready r1"]
+        copies["r2"].finished.set()
+        assert rx.recv_multipart() == [b"r3", b"ready r3"]
+        results = [notifier.results.get(timeout=5) for _ in range(3)]
+        assert results[0] == ("r1", None) and results[2] == ("r3", None)
+        assert results[1][0] == "r2" and "illegal memory access" in results[1][1]
+        # A peer that left: its socket is closed after the notes queued before; a later send reconnects.
+        notifier.forget(addr)
+        again = _Copy()
+        again.finished.set()
+        notifier.notify("r4", again, addr, b"ready r4")
+        assert rx.recv_multipart() == [b"r4", b"ready r4"]
+    finally:
+        for copy in copies.values():
+            copy.finished.set()
+        notifier.stop()
+        rx.close(0)
+    assert not notifier.is_alive()

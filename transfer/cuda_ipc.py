@@ -92,10 +92,10 @@ class _Notifier(threading.Thread):
     """Waits for each copy's event in order and then sends its notification. It owns the notification sockets
     (a ZMQ socket belongs to one thread); the worker's thread hands it jobs and reads back the results."""
 
-    def __init__(self, ctx: zmq.Context, device: torch.device):
+    def __init__(self, ctx: zmq.Context, device: int | None):
         super().__init__(name="cuda-ipc-notify", daemon=True)
         self.ctx = ctx
-        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = device  # the CUDA device its events belong to
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()  # (rid, error or None)
 
@@ -111,7 +111,8 @@ class _Notifier(threading.Thread):
         self.join(timeout=10)
 
     def run(self) -> None:
-        torch.cuda.set_device(self.device)
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         socks: dict[str, zmq.Socket] = {}
         while (job := self.jobs.get()) is not None:
             rid, event, addr, note = job
@@ -199,7 +200,8 @@ class CudaIpcTransfer(TransferEngine):
             self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: {e}")))
             return
         if self.notifier is None:
-            self.notifier = _Notifier(self.ctx, self.pool.device)
+            device = self.pool.device
+            self.notifier = _Notifier(self.ctx, device.index if device.index is not None else torch.cuda.current_device())
             self.notifier.start()
         self.inflight[rid] = (event, peer_id, t0, n * self.pool.page_bytes)
         self.notifier.notify(rid, event, addr, notify)
