@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from coordinator.registry import MemoryRegistry, Registry
 from engine.outbox import Outbox
-from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, PeerLeft, Prefill, Rejected,
+from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, LivePeers, PeerLeft, Prefill, Rejected,
                              TokenBatch, TokenDelta, WorkerInfo, decode)
 from engine.sampling_params import SamplingParams
 from transfer import agree
@@ -125,6 +125,8 @@ class Dispatcher:
         self._prefix: dict[str, _PrefixIndex] = {}
         self._tasks: list[asyncio.Task] = []
         self.workers: dict[str, WorkerInfo] = {}
+        # The first LivePeers waits until workers have had time to report (an in-process registry starts empty).
+        self._next_live_peers = time.monotonic() + self.live_peers_first_s
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,6 +173,16 @@ class Dispatcher:
     def _deliver(self, delta: TokenDelta) -> None:
         t = self.by_wire.get(delta.rid)
         if t is None or t.done:
+            return
+        if delta.retryable and not t.first_token and t.attempt < self.max_attempts - 1:
+            # Its KV never reached the decode worker (which may have died, before the registry knows it): the
+            # prefill worker has told the decode worker to let the pages go, so start over elsewhere.
+            logger.warning("placing %s again: %s", t.rid, delta.error)
+            self._settle_decode(t)
+            self._settle_prefill(t)
+            self.placed_again["before_first_token"] += 1
+            self._new_attempt(t)
+            asyncio.create_task(self._place_again(t))
             return
         t.generated.extend(delta.token_ids)
         # A request placed again finds its own earlier tokens in the new worker's prefix cache: not the client's.
@@ -227,6 +239,11 @@ class Dispatcher:
                 logger.warning("worker %s left the registry", gone)
                 for w in alive.values():
                     self._send(w.ctrl_addr, PeerLeft(gone))
+            if time.monotonic() >= self._next_live_peers:
+                # Catches what no PeerLeft was sent for: workers that died while this coordinator was down.
+                self._next_live_peers = time.monotonic() + self.live_peers_interval_s
+                for w in alive.values():
+                    self._send(w.ctrl_addr, LivePeers(sorted(alive)))
             for t in list(self.requests.values()):
                 if t.done:
                     continue
@@ -259,6 +276,8 @@ class Dispatcher:
 
     # --- placement ------------------------------------------------------------------------------------------
     max_attempts = 3  # placements of one request, when the decode worker it is on dies
+    live_peers_first_s = 5.0
+    live_peers_interval_s = 30.0
 
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""

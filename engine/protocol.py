@@ -6,7 +6,8 @@ Flow of one disaggregated request (each arrow one message, PUSH -> PULL sockets)
     decode --TokenBatch (one per step, all its requests)--> coordinator
 A colocated worker takes Generate instead of Allocate + Prefill. Abort goes to every worker holding the
 request. Workers report themselves with Heartbeat (to the coordinator, or to Redis); when one leaves the
-registry, the coordinator tells the others with PeerLeft.
+registry, the coordinator tells the others with PeerLeft, and it sends every worker the registry's list
+now and then (LivePeers).
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ class PeerLeft(msgspec.Struct, tag=True):
     worker_id: str
 
 
+class LivePeers(msgspec.Struct, tag=True):
+    """Coordinator -> workers, when it starts and every half minute: the workers in the registry. A worker
+    lets go of transfer peers missing from it that it has not used for a while: peers whose PeerLeft it never
+    got (it was sent while the coordinator was down, or dropped on a full queue)."""
+
+    worker_ids: list[str]
+
+
 class TokenDelta(msgspec.Struct):
     rid: str
     token_ids: list[int]
@@ -145,6 +154,8 @@ class TokenDelta(msgspec.Struct):
     stop_reason: int | None = None
     cached_tokens: int = 0
     error: str | None = None
+    # The error is the placement's, not the request's (its KV transfer failed): placing it again may succeed.
+    retryable: bool = False
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -152,7 +163,8 @@ class TokenBatch(msgspec.Struct, tag=True):
     items: list[TokenDelta]
 
 
-Message = Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | TokenBatch
+Message = (Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | LivePeers
+           | TokenBatch)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -21,7 +21,7 @@ import zmq
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.outbox import Outbox
-from engine.protocol import Heartbeat, KVLayout, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
+from engine.protocol import Heartbeat, KVLayout, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
 from transfer import available_backends, create_transfer
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,11 @@ class Worker:
             if isinstance(msg, PeerLeft):
                 for t in self.transfers.values():
                     t.drop_peer(msg.worker_id)
+            elif isinstance(msg, LivePeers):
+                live = set(msg.worker_ids)
+                for t in self.transfers.values():
+                    for peer in t.release_stale_peers(live):
+                        logger.info("let go of transfer peer %s (%s): not in the registry", peer, t.name)
             elif msg is not None:
                 self.role.handle(msg)
         self.role.poll_transfers()

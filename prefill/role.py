@@ -45,10 +45,11 @@ class PrefillRole:
             return self._fail(msg, f"destination has {len(msg.dst_pages)} pages, the prompt needs {n_pages}")
         self.meta[msg.rid] = msg
 
-    def _fail(self, msg: Prefill, error: str) -> None:
+    def _fail(self, msg: Prefill, error: str, retryable: bool = False) -> None:
         logger.warning("prefill of %s failed: %s", msg.rid, error)
         self.w.send(msg.decode_ctrl, KVReady(msg.rid, -1, error=error))
-        self.w.send(msg.reply_to, TokenBatch(self.w.worker_id, [TokenDelta(msg.rid, [], error=error)]))
+        self.w.send(msg.reply_to, TokenBatch(self.w.worker_id, [TokenDelta(msg.rid, [], error=error,
+                                                                           retryable=retryable)]))
 
     def on_step(self, reqs) -> None:
         for req in reqs:
@@ -70,7 +71,8 @@ class PrefillRole:
                 self.engine.drop_held(res.rid)
                 msg = self.meta.pop(res.rid, None)
                 if not res.ok and msg is not None:
-                    self._fail(msg, f"KV transfer failed: {res.error}")
+                    # Most often the decode worker died: the coordinator places the request again.
+                    self._fail(msg, f"KV transfer failed: {res.error}", retryable=True)
 
     def tick(self) -> None:
         pass

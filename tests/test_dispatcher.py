@@ -10,29 +10,37 @@ import zmq
 
 from coordinator.dispatcher import Dispatcher
 from coordinator.registry import MemoryRegistry
-from engine.protocol import (Abort, Allocate, Allocated, KVLayout, PeerLeft, Prefill, TokenBatch, TokenDelta,
-                             WorkerInfo, decode, encode)
+from engine.protocol import (Abort, Allocate, Allocated, KVLayout, LivePeers, PeerLeft, Prefill, TokenBatch,
+                             TokenDelta, WorkerInfo, decode, encode)
 
 LAYOUT = KVLayout(2, 16, 2, 32, "float32")
 
 
 class FakeWorker:
-    """A worker's control socket: what the dispatcher sent it, in order."""
+    """A worker's control socket: what the dispatcher sent it, in order (LivePeers, sent on a timer, apart)."""
 
     def __init__(self, ctx: zmq.Context, worker_id: str, role: str):
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")
         self.backlog: list = []  # read by a helper that looked for something else
+        self.live_peers: list[LivePeers] = []
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
                                "default", LAYOUT, 4096, 4096, transfer={"tcp": b"tcp://127.0.0.1:1"})
+
+    def _recv(self):
+        while True:
+            msg = decode(self.sock.recv(flags=zmq.NOBLOCK))
+            if not isinstance(msg, LivePeers):
+                return msg
+            self.live_peers.append(msg)
 
     async def next(self, timeout: float = 5.0):
         if self.backlog:
             return self.backlog.pop(0)
         for _ in range(int(timeout / 0.01)):
             try:
-                return decode(self.sock.recv(flags=zmq.NOBLOCK))
+                return self._recv()
             except zmq.Again:
                 await asyncio.sleep(0.01)
         raise AssertionError(f"{self.info.worker_id} got no message in {timeout} s")
@@ -41,7 +49,7 @@ class FakeWorker:
         out, self.backlog = self.backlog, []
         while True:
             try:
-                out.append(decode(self.sock.recv(flags=zmq.NOBLOCK)))
+                out.append(self._recv())
             except zmq.Again:
                 return out
 
@@ -235,6 +243,78 @@ def test_a_request_with_output_penalties_is_not_continued_elsewhere(cluster):
             registry.remove(victim)
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.error and victim in delta.error
+        finally:
+            await d.stop()
+
+    run(scenario())
+
+
+def test_workers_hear_which_peers_are_in_the_registry(cluster, monkeypatch):
+    """Besides PeerLeft when a worker leaves, every worker is told now and then who is in the registry, so
+    that peers it never heard a PeerLeft for (a coordinator restarted meanwhile) can be let go."""
+    registry, workers, reply = cluster
+    monkeypatch.setattr(Dispatcher, "live_peers_first_s", 0.3)
+    monkeypatch.setattr(Dispatcher, "live_peers_interval_s", 0.5)
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.refresh()
+        await d.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert all(not w.drain() and not w.live_peers for w in workers.values()), "not before the first wait"
+            await asyncio.sleep(0.5)
+            for w in workers.values():
+                w.drain()
+                assert w.live_peers == [LivePeers(["d0", "d1", "p0"])]
+            registry.remove("d1")
+            await asyncio.sleep(0.8)
+            for name in ("p0", "d0"):
+                workers[name].drain()
+                assert workers[name].live_peers[-1] == LivePeers(["d0", "p0"])
+        finally:
+            await d.stop()
+
+    run(scenario())
+
+
+def test_a_failed_kv_transfer_places_the_request_again_and_other_prefill_errors_end_it(cluster):
+    """A prefill worker whose KV transfer fails (its decode worker died a moment ago, before the registry
+    knows) says so with a retryable error: the request starts over. Any other prefill error ends the request."""
+    registry, workers, reply = cluster
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.refresh()
+        await d.start()
+        reply.connect(d.addr)
+        try:
+            placing = asyncio.create_task(d.submit(list(range(50)), {}))
+            _, first = await allocate_reply(workers, ["d0", "d1"], reply)
+            t = await placing
+            assert isinstance(await workers["p0"].next(), Prefill)
+            reply.send(encode(TokenBatch("p0", [TokenDelta(t.rid, [], error="KV transfer failed: nixl: "
+                                                           "NIXL_ERR_REMOTE_DISCONNECT", retryable=True)])))
+            second, where = await allocate_reply(workers, ["d0", "d1"], reply)
+            assert second.rid == f"{t.rid}.1"
+            prefill = await workers["p0"].next()
+            assert isinstance(prefill, Prefill) and prefill.rid == second.rid and prefill.decode_id == where
+            assert d.placed_again == {"before_first_token": 1, "mid_stream": 0}
+            assert d._decode_inflight[first] == (1 if first == where else 0)
+            reply.send(encode(TokenBatch(where, [TokenDelta(second.rid, [7], finish_reason="length")])))
+            delta = await asyncio.wait_for(t.queue.get(), 5)
+            assert delta.error is None and delta.token_ids == [7]
+            d.finish(t.rid)
+
+            placing = asyncio.create_task(d.submit(list(range(50)), {"temperature": 0.5}))
+            await allocate_reply(workers, ["d0", "d1"], reply)
+            u = await placing
+            await workers["p0"].next()
+            reply.send(encode(TokenBatch("p0", [TokenDelta(u.rid, [], error="the prompt is too long")])))
+            delta = await asyncio.wait_for(u.queue.get(), 5)
+            assert delta.error == "the prompt is too long" and d.placed_again["before_first_token"] == 1
+            d.finish(u.rid)
+            assert set(d._decode_inflight.values()) == {0} and d._prefill_inflight["p0"] == 0
         finally:
             await d.stop()
 

@@ -142,6 +142,33 @@ def test_a_peer_that_restarts_under_the_same_id_gets_its_pages_and_a_dropped_pee
     new.close()
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_peers_missing_from_the_registry_are_let_go_once_unused_and_can_come_back(name):
+    """LivePeers: a peer that is not in the registry and was not used for a while is released (a PeerLeft for it
+    was never sent); it is not marked departed, so if it was alive after all the next send reaches it."""
+    a, b = pools()
+    tx = create_transfer(name, a, "p", "127.0.0.1")
+    rx = create_transfer(name, b, "d", "127.0.0.1")
+    try:
+        for i, (src, dst) in enumerate([([5, 1], [60, 3]), ([7, 8], [20, 21])]):
+            rid = f"r{i}"
+            rx.expect(rid, dst)
+            tx.send(rid, "d", rx.endpoint(), src, dst, encode(KVReady(rid, 1)))
+            got, sent = wait_received(rx, tx)
+            assert [r for r, _ in got] == [rid] and sent[0].ok
+            assert all(torch.equal(b.data[:, d], a.data[:, s]) for s, d in zip(src, dst))
+            if i == 0:
+                assert tx.peers_held() == 1
+                assert tx.release_stale_peers({"p", "d"}, idle_s=0) == [], "in the registry: kept"
+                assert tx.release_stale_peers(set(), idle_s=60) == [], "used a moment ago: kept"
+                assert tx.release_stale_peers(set(), idle_s=0) == ["d"]
+                assert tx.peers_held() == 0
+        assert tx.peers_held() == 1, "connected again by the second send"
+    finally:
+        tx.close()
+        rx.close()
+
+
 class _Copy:
     """A stand-in for a copy's CUDA event: synchronize() returns once the test finishes the copy."""
 

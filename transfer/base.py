@@ -51,6 +51,7 @@ class TransferEngine(ABC):
         # Endpoints of peers that left (drop_peer): a send still addressed to one (a prefill that was already
         # running when its decode worker died) fails at once instead of connecting to the dead worker again.
         self.departed: dict[str, bytes] = {}
+        self.last_used: dict[str, float] = {}  # peer -> when a send last went to it (monotonic)
 
     @abstractmethod
     def endpoint(self) -> bytes:
@@ -77,9 +78,31 @@ class TransferEngine(ABC):
         """ZMQ sockets the worker loop should wake up on (none for backends that progress on their own)."""
         return []
 
-    def drop_peer(self, peer_id: str) -> None:
+    def drop_peer(self, peer_id: str, departed: bool = True) -> None:
         """A peer left: release what this engine keeps for it. A peer whose endpoint changes under the same id
-        (a restarted worker) is dropped and reconnected on the next send."""
+        (a restarted worker) is dropped and reconnected on the next send. departed=False: released only, so a
+        send to the same endpoint later connects again instead of failing."""
+
+    def peer_ids(self) -> list[str]:
+        """The peers this engine holds something for."""
+        return []
+
+    # A peer missing from the coordinator's LivePeers is let go once it has been unused this long: a worker
+    # that joined after the coordinator's last look at the registry must not lose a peer it is using.
+    stale_after_s = 60.0
+
+    def release_stale_peers(self, live: set[str], idle_s: float | None = None) -> list[str]:
+        """Let go of peers that are not in `live` and were not used for idle_s seconds; returns them."""
+        idle_s = self.stale_after_s if idle_s is None else idle_s
+        t = time.monotonic()
+        stale = [p for p in self.peer_ids() if p not in live and t - self.last_used.get(p, 0.0) >= idle_s]
+        for p in stale:
+            self.drop_peer(p, departed=False)
+            self.last_used.pop(p, None)
+        return stale
+
+    def _used(self, peer_id: str) -> None:
+        self.last_used[peer_id] = time.monotonic()
 
     def peers_held(self) -> int:
         """Peers this engine keeps connections, mappings or descriptors for."""

@@ -182,6 +182,7 @@ class CudaIpcTransfer(TransferEngine):
             remote = torch.empty(0, dtype=self.pool.dtype, device=self.pool.device)
             remote.set_(storage, 0, tuple(ep.shape))
             self.peers[peer_id] = (remote, ep.notify_addr, endpoint)
+        self._used(peer_id)
         return self.peers[peer_id][:2]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
@@ -259,7 +260,10 @@ class CudaIpcTransfer(TransferEngine):
     def peers_held(self):
         return len(self.peers)
 
-    def drop_peer(self, peer_id):
+    def peer_ids(self):
+        return list(self.peers)
+
+    def drop_peer(self, peer_id, departed=True):
         """Unmap the peer's pool, which frees it on the GPU if its process is gone. Copies into it that may
         still run are waited for first: unmapping under a running kernel would fault the whole context."""
         entry = self.peers.pop(peer_id, None)
@@ -276,7 +280,8 @@ class CudaIpcTransfer(TransferEngine):
                 self.done.append(self._record(SendResult(rid, False, f"cuda_ipc: peer {peer_id} left")))
         if self.notifier is not None:
             self.notifier.forget(entry[1])
-        self._mark_departed(peer_id, entry[2])
+        if departed:
+            self._mark_departed(peer_id, entry[2])
 
     def close(self):
         for peer in list(self.peers):

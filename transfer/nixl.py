@@ -103,6 +103,7 @@ class NixlTransfer(TransferEngine):
             dl = self.agent.prep_xfer_dlist(name, self._blocks(ep.base, ep.num_layers, ep.num_pages, ep.block_bytes,
                                                                ep.device_id), ep.mem)
             self.remotes[peer_id] = (name, dl, ep, endpoint)
+        self._used(peer_id)
         return self.remotes[peer_id]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
@@ -171,8 +172,11 @@ class NixlTransfer(TransferEngine):
     def peers_held(self):
         return len(self.remotes)
 
-    def drop_peer(self, peer_id):
-        if peer_id in self.remotes:
+    def peer_ids(self):
+        return list(self.remotes)
+
+    def drop_peer(self, peer_id, departed=True):
+        if peer_id in self.remotes and departed:
             self._mark_departed(peer_id, self.remotes[peer_id][3])
         # A transfer in flight still uses the peer's descriptors: release them once it has ended (poll_sent).
         if self._busy(peer_id):

@@ -64,6 +64,7 @@ class TcpTransfer(TransferEngine):
             sock.setsockopt(zmq.SNDHWM, 64)
             sock.connect(endpoint.decode())
             entry = self.peers[peer_id] = (endpoint, sock)
+        self._used(peer_id)
         return entry[1]
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify):
@@ -137,11 +138,15 @@ class TcpTransfer(TransferEngine):
     def peers_held(self):
         return len(self.peers)
 
-    def drop_peer(self, peer_id):
+    def drop_peer(self, peer_id, departed=True):
         entry = self.peers.pop(peer_id, None)
         if entry is not None:
             entry[1].close(0)
-            self._mark_departed(peer_id, entry[0])
+            if departed:
+                self._mark_departed(peer_id, entry[0])
+
+    def peer_ids(self):
+        return list(self.peers)
 
     def close(self):
         for _, sock in self.peers.values():
