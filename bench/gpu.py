@@ -213,13 +213,16 @@ def tune_gemv(device) -> None:
     """The one-token GEMV's launch configurations on the 8B and 0.5B projection shapes, bf16 and FP8, timed
     inside a CUDA graph over enough distinct weight copies (>= 256 MB) that nothing is served from L2."""
     from kernels.fp8_linear import FP8
+    from kernels.fused import silu_and_mul
     from kernels.gemv import config, gemv
 
     shapes = {"8B qkv": (6144, 4096, None), "8B o": (4096, 4096, None), "8B gate_up": (28672, 4096, None),
               "8B down": (4096, 14336, "silu_mul"), "0.5B qkv": (1152, 896, None), "0.5B o": (896, 896, None),
               "0.5B gate_up": (9728, 896, None), "0.5B down": (896, 4864, "silu_mul")}
+
     launches = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
-                (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 3), (32, 512, 8, 2)]
+                (16, 512, 2, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 2, 2), (32, 256, 4, 3),
+                (32, 512, 4, 2), (32, 512, 8, 2)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, act) in shapes.items():
         for dt in (torch.bfloat16, FP8):
@@ -229,6 +232,10 @@ def tune_gemv(device) -> None:
             scale = None if dt == torch.bfloat16 else torch.ones(n, device=device)
             x = torch.randn(1, 2 * k if act else k, device=device, dtype=torch.bfloat16)
             res = []
+            # The products against torch's, for every launch (FP8 weights are widened by PTX on the GPU only).
+            ref = (silu_and_mul(x) if act else x).float() @ ws[0].float().t()
+            errs = [((gemv(x, ws[0], scale, act=act, launch=c).float() - ref).abs().max() / ref.abs().max()).item()
+                    for c in launches]
             for launch in launches:
                 t = in_graph(lambda: [gemv(x, w, scale, act=act, launch=launch) for w in ws], 1) / copies
                 res.append((size / t / bw, launch))
@@ -236,7 +243,8 @@ def tune_gemv(device) -> None:
             default = config(n, k, device, ws[0].element_size())
             mine = next(r for r, c in res if c == default) if default in [c for _, c in res] else float("nan")
             print(f"  gemv {name} {str(dt).removeprefix('torch.')}: best {res[0][1]} {res[0][0]:.2f} of ceiling, "
-                  f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}",
+                  f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}; "
+                  f"worst error vs torch {max(errs):.1e}",
                   flush=True)
             ws = None  # noqa: F841 (frees the copies before the next shape)
 

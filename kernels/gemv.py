@@ -6,7 +6,8 @@ kernel; this kernel gives each program a few output rows and long K slices, with
 programs are in flight per SM and hide the memory latency of the K loop. Launched with PDL (kernels/pdl.py), a
 program loads its first weight tile before it waits for the previous kernel, so the weight stream starts
 while the previous kernel drains. FP8 weights are widened in registers (with their per-row scale), so the
-same kernel reads half the bytes for `--quantization fp8`.
+same kernel reads half the bytes for `--quantization fp8`; e4m3 weights are read four to a 32-bit word and
+widened by PTX (`_gemv_e4m3_kernel`).
 
 `act="silu_mul"` takes x as [1, 2K] (gate, up) and multiplies by silu(gate) * up, rounded as the separate
 kernel rounds it: down_proj and its activation in one launch.
@@ -61,13 +62,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             w.stride(0), eps)
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=2 if norm is not None else ACTS[act],
                  ADD_TO_OUT=residual is not None)
+    kernel = _gemv_kernel
+    if w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous():
+        # Four weights to a word (see _gemv_e4m3_kernel); widened by PTX on a GPU.
+        kernel, flags["PTX"] = _gemv_e4m3_kernel, x.is_cuda
+        args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps)
     if x.is_cuda:
         on = pdl.enabled(x)
         bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size(), norm is not None)
-        _gemv_kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                           num_stages=stages)
+        if "PTX" in flags:
+            flags["EVEN"] = n % bn == 0 and k % bk == 0
+        kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                     num_stages=stages)
     else:  # the interpreter (tests): one small configuration
-        _gemv_kernel[grid](*args, **flags, PDL=False, BLOCK_N=16, BLOCK_K=64)
+        if "PTX" in flags:
+            flags["EVEN"] = n % 16 == 0 and k % 64 == 0
+        kernel[grid](*args, **flags, PDL=False, BLOCK_N=16, BLOCK_K=64)
     return out
 
 
@@ -126,9 +136,16 @@ if triton is not None:
             w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             w = w_next
-        y = tl.sum(acc, axis=1)
+        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT,
+                ADD_TO_OUT)
+
+    @triton.jit
+    def _finish(y, sq, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr):
+        """The finished rows y: the folded norm's scale (sq: the token's sum of squares), the weights' scale,
+        the bias, the residual add; stored."""
         if ACT == 2:
-            y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            y = y * tl.rsqrt(sq / K + eps)
         if HAS_SCALE:
             y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:
@@ -140,3 +157,84 @@ if triton is not None:
             r = tl.load(OUT + rn, mask=rn < N, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
         tl.store(OUT + rn, y, mask=rn < N)
+
+    @triton.jit
+    def _e4m3x4(w, PTX: tl.constexpr):
+        """The four e4m3 numbers packed in each int32 of w, lowest byte first, as float32. On a GPU: two PTX
+        unpacks to half pairs and four widenings per word; the interpreter takes the bytes apart instead."""
+        if PTX:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b16 l, h, a0, a1, a2, a3;
+                .reg .b32 p, q;
+                mov.b32 {l, h}, $4;
+                cvt.rn.f16x2.e4m3x2 p, l;
+                cvt.rn.f16x2.e4m3x2 q, h;
+                mov.b32 {a0, a1}, p;
+                mov.b32 {a2, a3}, q;
+                cvt.f32.f16 $0, a0;
+                cvt.f32.f16 $1, a1;
+                cvt.f32.f16 $2, a2;
+                cvt.f32.f16 $3, a3;
+                }""",
+                "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        f0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return f0, f1, f2, f3
+
+    @triton.jit
+    def _load_x_norm(X, NW, kk, K, ACT: tl.constexpr):
+        """_load_x, times the norm's weight when the norm is folded (ACT == 2)."""
+        x = _load_x(X, kk, K, ACT)
+        if ACT == 2:
+            return x, x * tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return x, x
+
+    @triton.jit
+    def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, PTX: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                          ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
+        words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
+        bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
+        weight besides its multiply-add, which bound the kernel by instruction issue below the copy ceiling."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        WORDS: tl.constexpr = BLOCK_K // 4
+        rj = tl.arange(0, WORDS)
+        kw = K // 4
+        rows = W + rn[:, None].to(tl.int64) * stride_wn
+        # Whole tiles load without masks: predicated loads cost a zeroing and a compare per register.
+        wmask = (rn[:, None] < N) & (rj[None, :] < kw)
+        w = tl.load(rows + rj[None, :]) if EVEN else tl.load(rows + rj[None, :], mask=wmask, other=0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        sq = tl.zeros([WORDS], dtype=tl.float32)
+        for j0 in range(0, kw, WORDS):
+            kk = 4 * (j0 + rj)
+            r0, x0 = _load_x_norm(X, NW, kk, K, ACT)
+            r1, x1 = _load_x_norm(X, NW, kk + 1, K, ACT)
+            r2, x2 = _load_x_norm(X, NW, kk + 2, K, ACT)
+            r3, x3 = _load_x_norm(X, NW, kk + 3, K, ACT)
+            if ACT == 2:
+                sq += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3
+            # The last iteration loads the row's first tile again rather than past its end.
+            nj = (j0 + WORDS) % kw + rj
+            if EVEN:
+                w_next = tl.load(rows + nj[None, :])
+            else:
+                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < kw), other=0)
+            f0, f1, f2, f3 = _e4m3x4(w, PTX)
+            # One multiply-add each, in sequence (a sum of products first costs a multiply and an add more).
+            acc += f0 * x0[None, :]
+            acc += f1 * x1[None, :]
+            acc += f2 * x2[None, :]
+            acc += f3 * x3[None, :]
+            w = w_next
+        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT,
+                ADD_TO_OUT)

@@ -224,6 +224,30 @@ def test_gemv_matches_a_matmul(dtype, scaled):
     assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("n, k", [(64, 256), (70, 300), (70, 302)])
+def test_gemv_of_e4m3_weights_in_every_mode(n, k):
+    """FP8 weights go four to a word when K allows (whole tiles, or partial ones with masks), else byte by byte:
+    the same products as the dequantized weights in every mode, the norm and residual folds included."""
+    from kernels.fp8_linear import quantize_per_channel
+    from kernels.fused import add_rms_norm, silu_and_mul
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(8)
+    q, scale = quantize_per_channel(torch.randn(n, k, generator=g) * 0.05)
+    deq = q.float() * scale[:, None]
+    x = torch.randn(1, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    assert close(gemv(x, q, scale, bias), x @ deq.t() + bias, 1e-5)
+    h = torch.randn(1, 2 * k, generator=g)
+    assert close(gemv(h, q, scale, act="silu_mul"), silu_and_mul(h, fused=False) @ deq.t(), 1e-5)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    normed, _ = add_rms_norm(x, None, norm_w, 1e-6, fused=False)
+    assert close(gemv(x, q, scale, norm=(norm_w, 1e-6)), normed @ deq.t(), 1e-5)
+    r = torch.randn(1, n, generator=g)
+    expect = r + x @ deq.t()
+    assert gemv(x, q, scale, residual=r) is r and close(r, expect, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemv_with_silu_mul_is_down_proj_of_the_separate_activation(dtype):
     from kernels.fused import silu_and_mul
