@@ -1,8 +1,8 @@
 """FP8 weights: per-output-channel e4m3 weights, per-token dynamic e4m3 activations, one scaled matmul.
 
 On a GPU, one token (batch-1 decode) takes the GEMV of kernels/gemv.py (weights four to a word, widened by
-PTX) and batches of up to 16 tokens a Triton kernel: both read the FP8 weights, widen them in registers and multiply with the activations as they
-are (no activation quantization: one launch, half the weight bytes of bf16, which is all a memory-bound step
+PTX) and batches of up to 16 tokens a Triton kernel: both read the FP8 weights, widen them in registers and
+multiply with the activations as they are (no activation quantization: one launch, half the weight bytes of bf16, which is all a memory-bound step
 pays for). A version that quantized the token and used the FP8 tensor cores measured slower (0.36-0.82 of the
 copy ceiling against 0.45-0.66; docs/benchmarks.md). Larger batches (prefill) quantize the
 activations per token and use torch._scaled_mm on the FP8 tensor cores. Elsewhere the weights are widened back
