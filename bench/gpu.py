@@ -214,18 +214,23 @@ def tune_gemv(device) -> None:
     inside a CUDA graph over enough distinct weight copies (>= 256 MB) that nothing is served from L2."""
     from kernels.fp8_linear import FP8
     from kernels.fused import silu_and_mul
-    from kernels.gemv import config, gemv
+    from kernels.gemv import config, gemv, launch_of
 
     shapes = {"8B qkv": (6144, 4096, None), "8B o": (4096, 4096, None), "8B gate_up": (28672, 4096, None),
               "8B down": (4096, 14336, "silu_mul"), "0.5B qkv": (1152, 896, None), "0.5B o": (896, 896, None),
               "0.5B gate_up": (9728, 896, None), "0.5B down": (896, 4864, "silu_mul")}
 
-    launches = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
-                (16, 512, 2, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 2, 2), (32, 256, 4, 3),
-                (32, 512, 4, 2), (32, 512, 8, 2)]
+    whole = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
+             (16, 512, 2, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 2, 2), (32, 256, 4, 3),
+             (32, 512, 4, 2), (32, 512, 8, 2)]
+    # FP8 weights can also split K (the fifth number): tall programs, each over a slice of K.
+    split = [(16, 512, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 4, 3, 8),
+             (32, 512, 4, 2, 4), (32, 512, 8, 2, 4), (64, 256, 8, 3, 4), (64, 256, 8, 3, 8), (32, 256, 4, 4, 4)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, act) in shapes.items():
         for dt in (torch.bfloat16, FP8):
+            launches = whole + (split if dt == FP8 else [])
+            counters = torch.zeros(n, dtype=torch.int32, device=device)
             size = n * k * (2 if dt == torch.bfloat16 else 1)
             copies = max(1, -(-(256 << 20) // size))
             ws = [torch.randn(n, k, device=device).to(dt) for _ in range(copies)]
@@ -234,14 +239,15 @@ def tune_gemv(device) -> None:
             res = []
             # The products against torch's, for every launch (FP8 weights are widened by PTX on the GPU only).
             ref = (silu_and_mul(x) if act else x).float() @ ws[0].float().t()
-            errs = [((gemv(x, ws[0], scale, act=act, launch=c).float() - ref).abs().max() / ref.abs().max()).item()
-                    for c in launches]
+            errs = [((gemv(x, ws[0], scale, act=act, launch=c, counters=counters).float() - ref).abs().max()
+                     / ref.abs().max()).item() for c in launches]
             for launch in launches:
-                t = in_graph(lambda: [gemv(x, w, scale, act=act, launch=launch) for w in ws], 1) / copies
+                t = in_graph(lambda: [gemv(x, w, scale, act=act, launch=launch, counters=counters) for w in ws],
+                             1) / copies
                 res.append((size / t / bw, launch))
             res.sort(reverse=True)
-            default = config(n, k, device, ws[0].element_size())
-            mine = next(r for r, c in res if c == default) if default in [c for _, c in res] else float("nan")
+            default = launch_of(config(n, k, device, ws[0].element_size()))
+            mine = next((r for r, c in res if launch_of(c) == default), float("nan"))
             print(f"  gemv {name} {str(dt).removeprefix('torch.')}: best {res[0][1]} {res[0][0]:.2f} of ceiling, "
                   f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}; "
                   f"worst error vs torch {max(errs):.1e}",

@@ -45,6 +45,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale[None, :].contiguous())
         self.bias = linear.bias
         self.out_features, self.in_features = linear.weight.shape
+        # The one-token GEMV's counters when it splits K (kernels/gemv.py): one per block of >= 4 rows.
+        self.register_buffer("counters", torch.zeros(-(-self.out_features // 4), dtype=torch.int32,
+                                                     device=q.device), persistent=False)
 
     def forward(self, x: torch.Tensor, act: str | None = None, norm=None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,9 +55,10 @@ class Fp8Linear(nn.Module):
         `residual`: the folded one-token path, as engine.model.Linear takes them."""
         if norm is not None or residual is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act,
-                        norm=None if norm is None else (norm.weight, norm.eps), residual=residual)
+                        norm=None if norm is None else (norm.weight, norm.eps), residual=residual,
+                        counters=self.counters)
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
-            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act)
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act, counters=self.counters)
         if act == "silu_mul":
             x = silu_and_mul(x)
         if not x.is_cuda:

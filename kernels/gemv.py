@@ -9,6 +9,13 @@ while the previous kernel drains. FP8 weights are widened in registers (with the
 same kernel reads half the bytes for `--quantization fp8`; e4m3 weights are read four to a 32-bit word and
 widened by PTX (`_gemv_e4m3_kernel`).
 
+A projection narrower than its input (o_proj, down_proj) has few rows to hand out, and programs of few rows
+each load the token once per row they own. The e4m3 kernel can split K instead (the fifth number of a
+launch): tall programs that share each token load among many rows, each over a slice of K, write partial rows
+to a workspace; the last program of a row block to arrive (a counter per block, which it resets) adds the
+partials in split order and finishes the rows. The sum's order is fixed by the launch, not by which program
+arrives last, so results stay deterministic.
+
 `act="silu_mul"` takes x as [1, 2K] (gate, up) and multiplies by silu(gate) * up, rounded as the separate
 kernel rounds it: down_proj and its activation in one launch.
 
@@ -44,9 +51,12 @@ def available(x: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, act: str | None = None, launch: tuple | None = None,
-         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+         counters: torch.Tensor | None = None) -> torch.Tensor:
     """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype.
-    `norm` and `residual`: see the module's docstring. `launch` overrides config() (bench/gpu.py --tune-gemv)."""
+    `norm` and `residual`: see the module's docstring. `launch` overrides config() (bench/gpu.py --tune-gemv).
+    `counters`: int32 zeros, at least one per row block, for launches that split K (they are left at zero);
+    without them a split launch allocates its own (one more kernel, a memset)."""
     n, k = w.shape
     width = 2 * k if act == "silu_mul" else k
     if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1 or (act and norm):
@@ -56,29 +66,44 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         raise ValueError(f"gemv: residual {tuple(residual.shape)} for an output of {n}")
     x = x.contiguous()
     out = residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
+    if x.is_cuda:
+        bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None))
+    else:  # the interpreter (tests): small tiles, and the split of `launch` if one is given
+        bn, bk, warps, stages, split = 16, 64, 4, 1, launch_of(launch)[4] if launch else 1
+    if split > 1 and not e4m3:
+        if launch:
+            raise ValueError(f"gemv: only e4m3 weights with K % 4 == 0 split K (w {w.dtype}, K {k})")
+        split = 1  # config()'s choice for words, which these weights cannot be read as
+    blocks = triton.cdiv(n, bn)
     norm_w, eps = norm if norm is not None else (w, 0.0)
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
             w.stride(0), eps)
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=2 if norm is not None else ACTS[act],
-                 ADD_TO_OUT=residual is not None)
-    kernel = _gemv_kernel
-    if w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous():
-        # Four weights to a word (see _gemv_e4m3_kernel); widened by PTX on a GPU.
-        kernel, flags["PTX"] = _gemv_e4m3_kernel, x.is_cuda
-        args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps)
-    if x.is_cuda:
-        on = pdl.enabled(x)
-        bn, bk, warps, stages = launch or config(n, k, x.device, w.element_size(), norm is not None)
-        if "PTX" in flags:
-            flags["EVEN"] = n % bn == 0 and k % bk == 0
-        kernel[grid](*args, **flags, PDL=on, launch_pdl=on, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                     num_stages=stages)
-    else:  # the interpreter (tests): one small configuration
-        if "PTX" in flags:
-            flags["EVEN"] = n % 16 == 0 and k % 64 == 0
-        kernel[grid](*args, **flags, PDL=False, BLOCK_N=16, BLOCK_K=64)
+                 ADD_TO_OUT=residual is not None, PDL=pdl.enabled(x) if x.is_cuda else False, BLOCK_N=bn,
+                 BLOCK_K=bk)
+    opts = dict(launch_pdl=flags["PDL"], num_warps=warps, num_stages=stages) if x.is_cuda else {}
+    if not e4m3:
+        _gemv_kernel[(blocks,)](*args, **flags, **opts)
+        return out
+    # Four weights to a word (see _gemv_e4m3_kernel); widened by PTX on a GPU.
+    if split > 1:
+        if counters is None:
+            counters = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+        if counters.dtype != torch.int32 or counters.numel() < blocks:
+            raise ValueError(f"gemv: {blocks} int32 counters needed, got {counters.numel()} {counters.dtype}")
+        work = torch.empty(split * (n + 1), dtype=torch.float32, device=x.device)
+    else:
+        counters = work = w
+    args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, work, counters)
+    even = n % bn == 0 and k % (bk * split) == 0
+    _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split)
     return out
+
+
+def launch_of(launch: tuple) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, split): a launch of four numbers does not split K."""
+    return tuple(launch) + (1,) * (5 - len(launch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,48 +224,86 @@ if triton is not None:
         return x, x
 
     @triton.jit
-    def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, PTX: tl.constexpr,
+    def _e4m3_tile(acc, sq, w, X, NW, kk, K, ACT: tl.constexpr, PTX: tl.constexpr):
+        """acc += the word tile w times the token at kk, kk+1, kk+2, kk+3 (kk: four times the tile's word
+        columns); sq += the token's squares where the norm is folded. Past K the token reads as zero."""
+        r0, x0 = _load_x_norm(X, NW, kk, K, ACT)
+        r1, x1 = _load_x_norm(X, NW, kk + 1, K, ACT)
+        r2, x2 = _load_x_norm(X, NW, kk + 2, K, ACT)
+        r3, x3 = _load_x_norm(X, NW, kk + 3, K, ACT)
+        if ACT == 2:
+            sq += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3
+        f0, f1, f2, f3 = _e4m3x4(w, PTX)
+        # One multiply-add each, in sequence (a sum of products first costs a multiply and an add more).
+        acc += f0 * x0[None, :]
+        acc += f1 * x1[None, :]
+        acc += f2 * x2[None, :]
+        acc += f3 * x3[None, :]
+        return acc, sq
+
+    @triton.jit
+    def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, WORK, COUNTERS, PTX: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
+                          ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
-        weight besides its multiply-add, which bound the kernel by instruction issue below the copy ceiling."""
+        weight besides its multiply-add, which bound the kernel by instruction issue below the copy ceiling.
+        SPLIT > 1: program (i, s) takes the s-th of SPLIT slices of K (see the module's docstring); WORK holds
+        SPLIT partial rows of N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         WORDS: tl.constexpr = BLOCK_K // 4
         rj = tl.arange(0, WORDS)
         kw = K // 4
+        # This program's words of each row: [lo, hi), whole tiles but the last slice's end.
+        span = tl.cdiv(tl.cdiv(kw, SPLIT), WORDS) * WORDS
+        lo = split * span
+        hi = tl.minimum(lo + span, kw)
         rows = W + rn[:, None].to(tl.int64) * stride_wn
         # Whole tiles load without masks: predicated loads cost a zeroing and a compare per register.
-        wmask = (rn[:, None] < N) & (rj[None, :] < kw)
-        w = tl.load(rows + rj[None, :]) if EVEN else tl.load(rows + rj[None, :], mask=wmask, other=0)
+        if EVEN:
+            w = tl.load(rows + lo + rj[None, :])
+        else:
+            w = tl.load(rows + lo + rj[None, :], mask=(rn[:, None] < N) & (lo + rj[None, :] < hi), other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         sq = tl.zeros([WORDS], dtype=tl.float32)
-        for j0 in range(0, kw, WORDS):
-            kk = 4 * (j0 + rj)
-            r0, x0 = _load_x_norm(X, NW, kk, K, ACT)
-            r1, x1 = _load_x_norm(X, NW, kk + 1, K, ACT)
-            r2, x2 = _load_x_norm(X, NW, kk + 2, K, ACT)
-            r3, x3 = _load_x_norm(X, NW, kk + 3, K, ACT)
-            if ACT == 2:
-                sq += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3
-            # The last iteration loads the row's first tile again rather than past its end.
-            nj = (j0 + WORDS) % kw + rj
+        # Each iteration loads the next tile before it multiplies the one in hand; the last tile is multiplied
+        # after the loop, so no load goes past the slice (programs of one or two tiles would waste a tile).
+        last = lo + tl.maximum(hi - lo - 1, 0) // WORDS * WORDS
+        for j0 in range(lo, last, WORDS):
+            nj = j0 + WORDS + rj
             if EVEN:
                 w_next = tl.load(rows + nj[None, :])
             else:
-                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < kw), other=0)
-            f0, f1, f2, f3 = _e4m3x4(w, PTX)
-            # One multiply-add each, in sequence (a sum of products first costs a multiply and an add more).
-            acc += f0 * x0[None, :]
-            acc += f1 * x1[None, :]
-            acc += f2 * x2[None, :]
-            acc += f3 * x3[None, :]
+                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
+            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, ACT, PTX)
             w = w_next
-        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT,
-                ADD_TO_OUT)
+        if lo < hi:
+            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (last + rj), K, ACT, PTX)
+        y = tl.sum(acc, axis=1)
+        sqs = tl.sum(sq, axis=0)
+        if SPLIT > 1:
+            tl.store(WORK + split * N + rn, y, mask=rn < N)
+            if ACT == 2:
+                tl.store(WORK + SPLIT * N + split, sqs)
+            # Every thread's partials are written before one thread counts this program in (release); the
+            # last to arrive reads them from L2 (.cg: never a line its own SM cached before the count).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                y = tl.zeros([BLOCK_N], dtype=tl.float32)
+                sqs = 0.0
+                for s in tl.static_range(SPLIT):
+                    y += tl.load(WORK + s * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+                    if ACT == 2:
+                        sqs += tl.load(WORK + SPLIT * N + s, cache_modifier=".cg")
+                tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
+                _finish(y, sqs, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT, ADD_TO_OUT)
+        else:
+            _finish(y, sqs, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT, ADD_TO_OUT)

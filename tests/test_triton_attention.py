@@ -248,6 +248,42 @@ def test_gemv_of_e4m3_weights_in_every_mode(n, k):
     assert gemv(x, q, scale, residual=r) is r and close(r, expect, 1e-5)
 
 
+@pytest.mark.parametrize("n, k, split", [(64, 512, 2), (64, 512, 4), (70, 300, 3), (48, 256, 8)])
+def test_gemv_of_e4m3_weights_split_over_k(n, k, split):
+    """K split among programs: the last program of each row block adds the partials (and the folded norm's
+    partial sums of squares) in split order, the same products in every mode, equal on every call, and the
+    counters are back at zero after each launch. (64, 512, 2/4): whole slices; (70, 300, 3): partial slices
+    and rows; (48, 256, 8): more splits than whole tiles, so the last programs have nothing to add."""
+    from kernels.fp8_linear import quantize_per_channel
+    from kernels.fused import add_rms_norm, silu_and_mul
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(9)
+    q, scale = quantize_per_channel(torch.randn(n, k, generator=g) * 0.05)
+    deq = q.float() * scale[:, None]
+    counters = torch.zeros(8, dtype=torch.int32)
+    launch = (16, 64, 4, 1, split)
+    x = torch.randn(1, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    first = gemv(x, q, scale, bias, launch=launch, counters=counters)
+    assert close(first, x @ deq.t() + bias, 1e-5) and not counters.any()
+    assert torch.equal(gemv(x, q, scale, bias, launch=launch, counters=counters), first)
+    h = torch.randn(1, 2 * k, generator=g)
+    got = gemv(h, q, scale, act="silu_mul", launch=launch, counters=counters)
+    assert close(got, silu_and_mul(h, fused=False) @ deq.t(), 1e-5) and not counters.any()
+    norm_w = torch.rand(k, generator=g) + 0.5
+    normed, _ = add_rms_norm(x, None, norm_w, 1e-6, fused=False)
+    got = gemv(x, q, scale, norm=(norm_w, 1e-6), launch=launch, counters=counters)
+    assert close(got, normed @ deq.t(), 1e-5) and not counters.any()
+    r = torch.randn(1, n, generator=g)
+    expect = r + x @ deq.t()
+    assert gemv(x, q, scale, residual=r, launch=launch) is r and close(r, expect, 1e-5)  # its own counters
+    with pytest.raises(ValueError):
+        gemv(x, q, scale, launch=launch, counters=torch.zeros(2, dtype=torch.int32))  # too few for the blocks
+    with pytest.raises(ValueError):
+        gemv(x, deq, launch=launch)  # only e4m3 weights split K
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemv_with_silu_mul_is_down_proj_of_the_separate_activation(dtype):
     from kernels.fused import silu_and_mul
