@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from engine.model import CausalLM
-from engine.sampler import SampleOutput, SamplingBatch, sample
+from engine.sampler import SampleOutput, SamplingBatch, argmax_rows, sample
 from engine.scheduler import Chunk
 from kernels.attention import AttentionInputs
 
@@ -101,5 +101,5 @@ class ModelRunner:
         if all(r.params.temperature == 0 and not r.params.has_penalties and r.params.logprobs is None
                and r.num_output + r.pending >= r.params.min_tokens for r in reqs):
             # Plain greedy batch: no parameters to move to the device.
-            return SampleOutput(tokens=logits.argmax(dim=-1))
+            return SampleOutput(tokens=argmax_rows(logits))
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

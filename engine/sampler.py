@@ -7,6 +7,7 @@ is an exponential race (argmax of p / E with E ~ Exp(1)), which samples exactly 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,26 @@ def _counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
     return counts
 
 
+@functools.lru_cache(maxsize=None)
+def _chunk_for(vocab: int) -> int:
+    """The divisor of `vocab` in [256, 4096] that keeps the longer of the two rounds shortest, or 0."""
+    chunks = [c for c in range(256, 4097) if vocab % c == 0]
+    return min(chunks, key=lambda c: max(c, vocab // c)) if chunks else 0
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [B, V], the same indices (the first of equal maxima), in two rounds. A
+    reduction of one long row runs in a single block on CUDA: 27 us for a 128k vocabulary on an H200, 1 %
+    of an 8B decode step. Rows cut into chunks of about sqrt(V) spread the first round over the GPU."""
+    b, v = logits.shape
+    chunk = _chunk_for(v) if v >= 65536 else 0
+    if not chunk:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(b, v // chunk, chunk).max(dim=-1)
+    first = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (first * chunk + idx.gather(1, first)).squeeze(1)
+
+
 @dataclass
 class SampleOutput:
     tokens: torch.Tensor  # [B] long
@@ -122,7 +143,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         logits = logits - b.pres_penalty[:, None] * (b.output_counts > 0).float()
     if b.banned_rows is not None:
         logits = logits.index_put((b.banned_rows, b.banned_tokens), torch.tensor(float("-inf"), device=logits.device))
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax_rows(logits)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
@@ -134,7 +155,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         if b.use_min_p:
             probs = probs.masked_fill(probs < b.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         race = probs / -torch.log(uniform_noise(b.seeds, b.steps, probs.shape[-1]))
-        tokens = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy_tokens)
+        tokens = torch.where(b.temperature > 0, argmax_rows(race), greedy_tokens)
     out = SampleOutput(tokens=tokens)
     if b.max_logprobs >= 0:
         # Logprobs of the model's own distribution, before penalties and truncation (as vLLM reports them).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import SamplingBatch, sample, uniform_noise
+from engine.sampler import SamplingBatch, argmax_rows, sample, uniform_noise
 from engine.sampling_params import SamplingParams
 
 
@@ -39,6 +39,18 @@ def test_greedy_rows_take_the_argmax_beside_random_rows():
               SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=1)]
     tok = draw(logits, params, seeds=[1, 2, 3, 4])[:, 0]
     assert tok[0] == logits[0].argmax() and tok[2] == logits[2].argmax() and tok[3] == logits[3].argmax()
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 65537])
+def test_argmax_in_two_rounds_is_the_argmax_with_its_tie_rule(vocab):
+    """Real vocabularies (Llama 3, Qwen2.5) are cut into chunks; a prime one falls back to one round. Equal
+    maxima in several chunks, and twice in one chunk, resolve to the first, as torch.argmax does."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, vocab, generator=g)
+    logits[1, [vocab - 5, 7000, 900, 901]] = 50.0  # row 1: ties across chunks and inside the first chunk
+    logits[2, -1] = 60.0  # row 2: the very last token
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[1] == 900 and argmax_rows(logits)[2] == vocab - 1
 
 
 def test_draws_follow_the_softmax_distribution():
