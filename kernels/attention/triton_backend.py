@@ -53,6 +53,10 @@ def _decode_split_kernel(
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
+        # The first tile's page-table entries are read before the wait, and each later tile's one tile ahead:
+        # the table is written before the step, so only the K/V loads wait on a page-table read.
+        t = start + tl.arange(0, BLOCK_N)
+        page = tl.load(indices + page_base + t // PAGE, mask=t < end, other=0).to(tl.int64)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -68,10 +72,11 @@ def _decode_split_kernel(
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
+            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
             # One page-table read per token: tiles of whole pages with one read per page (a reshape of
             # [pages, PAGE] rows) measured 2-2.4x slower on an H200 (benchmarks.md, run O).
-            page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
-            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+            tn = t + BLOCK_N
+            page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
             kmask = valid[:, None] & (d[None, :] < D)
             # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
             k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
