@@ -275,7 +275,8 @@ def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
                 f"of ceiling; triton bf16 {tg * 1e6:.1f} us = {w.numel() * 2 / tg / copy_bw:.2f}")
         if name != "lm_head":
             q, scale = quantize_per_channel(w)
-            t8 = in_graph(lambda: fp8_weight_matmul(x, q, scale))
+            counters = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)  # for a split K
+            t8 = in_graph(lambda: fp8_weight_matmul(x, q, scale, counters=counters))
             from kernels.gemv import config
 
             line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "

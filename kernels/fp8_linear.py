@@ -78,7 +78,7 @@ SMALL_M = 16  # batches up to this many tokens use the weight-only kernel
 
 
 def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) times FP8 w [N, K] (row-major) with per-row scale [N], + bias: [M, N] in x's dtype.
     One row goes to the GEMV (kernels/gemv.py): the tensor-core kernel below pads it to sixteen and measured
     0.59x as fast over the 8B step (benchmarks.md, run P)."""
@@ -87,7 +87,7 @@ def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if m > SMALL_M or w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"fp8_weight_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}")
     if m == 1:  # one token: a plain multiply-and-reduce (no padding of one row to sixteen)
-        return gemv(x, w, scale, bias)
+        return gemv(x, w, scale, bias, counters=counters)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

@@ -108,16 +108,19 @@ def launch_of(launch: tuple) -> tuple[int, int, int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def config(n: int, k: int, device: torch.device, element_size: int = 2,
-           norm: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight: a fixed choice, never a timed one, so that every
-    process computes a projection with the same summation order and greedy tokens agree across workers (a
-    prefill and a decode worker, or two replicas). The choices are the best or near-best of
-    `python -m bench.gpu --tune-gemv` on an H200 for the 8B and 0.5B shapes (docs/benchmarks.md). A folded norm
+           norm: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, split]) for an [n, k] weight: a fixed choice, never a timed one, so
+    that every process computes a projection with the same summation order and greedy tokens agree across
+    workers (a prefill and a decode worker, or two replicas). The choices are the best or near-best of
+    `python -m bench.gpu --tune-gemv` on an H200 for the 8B and 0.5B shapes (docs/benchmarks.md); FP8 ones
+    were kept only where they led in each of three runs on different machines of one day (runs R). A folded norm
     (`norm`) costs each program work per token element, so it gets programs of at least eight rows."""
-    if element_size == 1:  # FP8 (run Q's tune): many rows to a program for wide projections
-        if n >= 4 * k:
-            return (32, 256, 4, 3) if k >= 4096 else (16, 512, 4, 3)  # 8B gate_up 0.82, 0.5B gate_up 0.47
-        return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)  # 0.5B down 0.18 against 0.14
+    if element_size == 1:  # FP8
+        if n >= 4 * k:  # 8B gate_up 0.75-0.78 against 0.67-0.68 for (32, 256) (runs R); 0.5B gate_up 0.47 (Q)
+            return (8, 1024, 4, 2) if k >= 4096 else (16, 512, 4, 3)
+        if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
+            return 32, 256, 4, 3, 4
+        return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)  # 0.5B down 0.18 (Q); 8B o 0.53-0.56, down 0.58
     if k >= 4096 and n >= 4 * k and not norm:  # gate_up: 0.98 of the copy ceiling against 0.96
         return 2, 2048, 2, 2
     if k >= 4096 and n > k:  # qkv: 0.85 against 0.78
