@@ -113,9 +113,9 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
     that every process computes a projection with the same summation order and greedy tokens agree across
     workers (a prefill and a decode worker, or two replicas). The choices are the best or near-best of
     `python -m bench.gpu --tune-gemv` on an H200 for the 8B and 0.5B shapes (docs/benchmarks.md); FP8 ones
-    were kept only where they led or came within 0.02 of the lead in two runs on different machines (runs R2,
-R3; benchmarks.md). A folded norm
-    (`norm`) costs each program work per token element, so it gets programs of at least eight rows."""
+    were kept only where they led or came within 0.02 of the lead in two runs on different machines (runs R2
+    and R3). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
+    least eight rows."""
     if element_size == 1:  # FP8
         if n >= 4 * k:  # 8B gate_up 0.75-0.78 against 0.67-0.68 for (32, 256) (runs R); 0.5B gate_up 0.47 (Q)
             return (8, 1024, 4, 2) if k >= 4096 else (16, 512, 4, 3)
