@@ -114,11 +114,11 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
     workers (a prefill and a decode worker, or two replicas). The choices are the best or near-best of
     `python -m bench.gpu --tune-gemv` on an H200 for the 8B and 0.5B shapes (docs/benchmarks.md); FP8 ones
     were kept only where they led or came within 0.02 of the lead in two runs on different machines (runs R2
-    and R3). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
+    and R3; gate_up: R6 and R7). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
     least eight rows."""
     if element_size == 1:  # FP8
-        if n >= 4 * k:  # 8B gate_up 0.75-0.78 against 0.67-0.68 for (32, 256) (runs R); 0.5B gate_up 0.47 (Q)
-            return (8, 1024, 4, 2) if k >= 4096 else (16, 512, 4, 3)
+        if n >= 4 * k:  # 8B gate_up 0.82-0.84 against 0.69-0.78 for (8, 1024) (runs R6, R7); 0.5B 0.51 (R6)
+            return 16, 512, 4, 3
         if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
             return 32, 256, 4, 3, 4
         return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)  # 0.5B down 0.18 (Q); 8B o 0.53-0.56, down 0.58
