@@ -93,20 +93,19 @@ class Linear(nn.Linear):
     """A projection that takes the one-token Triton GEMV on a GPU (kernels/gemv.py). At batch 1 a decode step
     is a chain of a few hundred dependent kernels; the GEMV starts streaming its weights before the previous
     kernel has finished (PDL), which cuBLAS cannot do inside our graph, and never splits K into a second
-    reduction kernel. `act="silu_mul"` applies SiLU-and-mul to the input first, fused into the GEMV."""
+    reduction kernel. `glu=True` (gate_up_proj): the output is silu(gate) * up, fused into the GEMV."""
 
-    def forward(self, x: torch.Tensor, act: str | None = None, norm: RMSNorm | None = None,
+    def forward(self, x: torch.Tensor, glu: bool = False, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`norm` and `residual` (one token; CausalLM.folds decided the GEMV runs): project norm(x), or add the
         projection to `residual` in place and return it (kernels/gemv.py)."""
         if norm is not None or residual is not None:
-            return gemv(x, self.weight, bias=self.bias, act=act, norm=None if norm is None else (norm.weight, norm.eps),
+            return gemv(x, self.weight, bias=self.bias, glu=glu, norm=None if norm is None else (norm.weight, norm.eps),
                         residual=residual)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
-            return gemv(x, self.weight, bias=self.bias, act=act)
-        if act == "silu_mul":
-            x = silu_and_mul(x)
-        return F.linear(x, self.weight, self.bias)
+            return gemv(x, self.weight, bias=self.bias, glu=glu)
+        y = F.linear(x, self.weight, self.bias)
+        return silu_and_mul(y) if glu else y
 
 
 class Attention(nn.Module):
@@ -150,8 +149,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         if residual is not None:  # the folded one-token path
-            return self.down_proj(self.gate_up_proj(x, norm=norm), act="silu_mul", residual=residual)
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x), act="silu_mul"))
+            return self.down_proj(self.gate_up_proj(x, glu=True, norm=norm), residual=residual)
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x, glu=True)))
 
 
 class DecoderLayer(nn.Module):

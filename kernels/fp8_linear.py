@@ -49,18 +49,20 @@ class Fp8Linear(nn.Module):
         self.register_buffer("counters", torch.zeros(-(-self.out_features // 4), dtype=torch.int32,
                                                      device=q.device), persistent=False)
 
-    def forward(self, x: torch.Tensor, act: str | None = None, norm=None,
+    def forward(self, x: torch.Tensor, glu: bool = False, norm=None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """act="silu_mul": SiLU-and-mul on x first (fused into the one-token kernel); `norm` (an RMSNorm) and
-        `residual`: the folded one-token path, as engine.model.Linear takes them."""
+        """glu=True: silu(gate) * up of the output's halves (fused into the one-token kernel); `norm` (an
+        RMSNorm) and `residual`: the folded one-token path, as engine.model.Linear takes them."""
         if norm is not None or residual is not None:
-            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act,
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, glu=glu,
                         norm=None if norm is None else (norm.weight, norm.eps), residual=residual,
                         counters=self.counters)
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
-            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, act=act, counters=self.counters)
-        if act == "silu_mul":
-            x = silu_and_mul(x)
+            return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, glu=glu, counters=self.counters)
+        y = self._matmul(x)
+        return silu_and_mul(y) if glu else y
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             w = self.weight_t.t().to(x.dtype) * self.scale.t().to(x.dtype)
             return F.linear(x, w, self.bias)

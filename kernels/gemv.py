@@ -1,4 +1,4 @@
-"""One token times a weight matrix, in one kernel: y = (W act(x)) * scale + bias for W [N, K] in bf16/fp16 or FP8.
+"""One token times a weight matrix, in one kernel: y = (W x) * scale + bias for W [N, K] in bf16/fp16 or FP8.
 
 At batch 1 a decode step is weight reads and little else, and inside a CUDA graph every extra kernel costs a
 launch gap. cuBLAS splits K for projections narrower than their input (o_proj, down_proj) and adds a reduction
@@ -16,8 +16,11 @@ to a workspace; the last program of a row block to arrive (a counter per block, 
 partials in split order and finishes the rows. The sum's order is fixed by the launch, not by which program
 arrives last, so results stay deterministic.
 
-`act="silu_mul"` takes x as [1, 2K] (gate, up) and multiplies by silu(gate) * up, rounded as the separate
-kernel rounds it: down_proj and its activation in one launch.
+`glu=True` is gate_up_proj and its activation in one launch: W's rows are the gate half and then the up half,
+each program takes matching rows of both (gate and up alternating), and the output is silu(gate) * up, [1, N/2],
+rounded as the separate projection and activation kernels round it. The activation is computed once per
+element where the result is made; done where down_proj reads its input instead, every program of down_proj
+recomputed it for its K slice (and read twice the input).
 
 The residual stream can fold into the projections on either side of it, so that a layer has no norm kernels
 of its own: `norm=(weight, eps)` takes x as the residual stream and projects rmsnorm(x) * weight (the norm's scale is
@@ -42,30 +45,29 @@ try:
 except ImportError:  # CPU installs without triton
     triton = None
 
-ACTS = {None: 0, "silu_mul": 1}
-
 
 def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, act: str | None = None, launch: tuple | None = None,
+         bias: torch.Tensor | None = None, glu: bool = False, launch: tuple | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          counters: torch.Tensor | None = None) -> torch.Tensor:
-    """act(x) [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype.
-    `norm` and `residual`: see the module's docstring. `launch` overrides config() (bench/gpu.py --tune-gemv).
-    `counters`: int32 zeros, at least one per row block, for launches that split K (they are left at zero);
-    without them a split launch allocates its own (one more kernel, a memset)."""
+    """x [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype, or
+    with `glu` silu(first half) * (second half), [1, N/2]. `norm` and `residual`: see the module's docstring.
+    `launch` overrides config() (bench/gpu.py --tune-gemv). `counters`: int32 zeros, at least one per row
+    block, for launches that split K (they are left at zero); without them a split launch allocates its own
+    (one more kernel, a memset)."""
     n, k = w.shape
-    width = 2 * k if act == "silu_mul" else k
-    if act not in ACTS or x.shape != (1, width) or w.stride(1) != 1 or (act and norm):
-        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, act {act!r}, "
-                         f"norm {norm is not None}")
+    if x.shape != (1, k) or w.stride(1) != 1 or (glu and (n % 2 or residual is not None)):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, glu {glu}, "
+                         f"residual {residual is not None}")
+    n_out = n // 2 if glu else n
     if residual is not None and (residual.shape != (1, n) or not residual.is_contiguous()):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} for an output of {n}")
     x = x.contiguous()
-    out = residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
     if x.is_cuda:
         bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None))
@@ -79,7 +81,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     norm_w, eps = norm if norm is not None else (w, 0.0)
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
             w.stride(0), eps)
-    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, ACT=2 if norm is not None else ACTS[act],
+    if glu and bn < 2:
+        raise ValueError(f"gemv: glu needs programs of at least two rows (a gate and an up row), launch {launch}")
+    flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None, GLU=glu,
                  ADD_TO_OUT=residual is not None, PDL=pdl.enabled(x) if x.is_cuda else False, BLOCK_N=bn,
                  BLOCK_K=bk)
     opts = dict(launch_pdl=flags["PDL"], num_warps=warps, num_stages=stages) if x.is_cuda else {}
@@ -96,7 +100,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     else:
         counters = work = w
     args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, work, counters)
-    even = n % bn == 0 and k % (bk * split) == 0
+    even = n_out % (bn // 2 if glu else bn) == 0 and k % (bk * split) == 0
     _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split)
     return out
 
@@ -135,24 +139,25 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
 
 if triton is not None:
     @triton.jit
-    def _load_x(X, kk, K, ACT: tl.constexpr):
-        if ACT == 1:  # silu(gate) * up, each product rounded to the activation dtype as silu_and_mul does
-            g = tl.load(X + kk, mask=kk < K, other=0.0)
-            u = tl.load(X + K + kk, mask=kk < K, other=0.0)
-            gf = g.to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
-            return (s * u).to(tl.float32)
-        return tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+    def _rows(pid, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """The weight rows of program pid and which of them exist. With GLU, gate and up rows alternate: the
+        program's BLOCK_N // 2 outputs are rows i of the gate half and i + N/2 of the up half."""
+        j = tl.arange(0, BLOCK_N)
+        if GLU:
+            i = pid * (BLOCK_N // 2) + j // 2
+            return i + (j % 2) * (N // 2), i < N // 2
+        rn = pid * BLOCK_N + j
+        return rn, rn < N
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, HAS_SCALE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, ok = _rows(pid, N, BLOCK_N, GLU)
         rk = tl.arange(0, BLOCK_K)
         rows = W + rn[:, None].to(tl.int64) * stride_wn
-        nmask = rn[:, None] < N
+        nmask = ok[:, None]
         # The first weight tile is loaded before the wait: no kernel of the step writes weights.
         w = tl.load(rows + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
         if PDL:
@@ -161,8 +166,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = _load_x(X, k0 + rk, K, ACT)
-            if ACT == 2:
+            x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            if NORM:
                 # rmsnorm's scale is one number for the whole token: gather its sum of squares on the way and
                 # apply it to the finished rows, so the token is read once, in the slices the loop reads anyway.
                 sq += x * x
@@ -171,27 +176,35 @@ if triton is not None:
             w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             w = w_next
-        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT,
-                ADD_TO_OUT)
+        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE,
+                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N)
 
     @triton.jit
-    def _finish(y, sq, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ACT: tl.constexpr, ADD_TO_OUT: tl.constexpr):
-        """The finished rows y: the folded norm's scale (sq: the token's sum of squares), the weights' scale,
-        the bias, the residual add; stored."""
-        if ACT == 2:
+    def _finish(y, sq, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The finished rows y (weight rows rn, those that exist: ok): the folded norm's scale (sq: the token's
+        sum of squares), the weights' scale, the bias, the activation or the residual add; stored."""
+        if NORM:
             y = y * tl.rsqrt(sq / K + eps)
         if HAS_SCALE:
-            y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)
+            y = y * tl.load(SCALE + rn, mask=ok, other=0.0)
         if HAS_BIAS:
-            y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
+            y += tl.load(BIAS + rn, mask=ok, other=0.0).to(tl.float32)
         y = y.to(OUT.dtype.element_ty)
-        if ADD_TO_OUT:
-            # The residual add, rounded to the stream's dtype as the separate add is. Each program reads and
-            # writes only its own rows, so updating in place is safe.
-            r = tl.load(OUT + rn, mask=rn < N, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
-        tl.store(OUT + rn, y, mask=rn < N)
+        if GLU:
+            # Rounded as silu_and_mul rounds the bf16 projection it reads: silu(gate) to the dtype, then times up.
+            gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+            g = gate.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+            ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(OUT + ro, (s.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty), mask=ro < N // 2)
+        else:
+            if ADD_TO_OUT:
+                # The residual add, rounded to the stream's dtype as the separate add is. Each program reads
+                # and writes only its own rows, so updating in place is safe.
+                r = tl.load(OUT + rn, mask=ok, other=0.0)
+                y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+            tl.store(OUT + rn, y, mask=ok)
 
     @triton.jit
     def _e4m3x4(w, PTX: tl.constexpr):
@@ -220,22 +233,22 @@ if triton is not None:
         return f0, f1, f2, f3
 
     @triton.jit
-    def _load_x_norm(X, NW, kk, K, ACT: tl.constexpr):
-        """_load_x, times the norm's weight when the norm is folded (ACT == 2)."""
-        x = _load_x(X, kk, K, ACT)
-        if ACT == 2:
+    def _load_x(X, NW, kk, K, NORM: tl.constexpr):
+        """The token at kk (zero past K) and, when the norm is folded, the same times the norm's weight."""
+        x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if NORM:
             return x, x * tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
         return x, x
 
     @triton.jit
-    def _e4m3_tile(acc, sq, w, X, NW, kk, K, ACT: tl.constexpr, PTX: tl.constexpr):
+    def _e4m3_tile(acc, sq, w, X, NW, kk, K, NORM: tl.constexpr, PTX: tl.constexpr):
         """acc += the word tile w times the token at kk, kk+1, kk+2, kk+3 (kk: four times the tile's word
         columns); sq += the token's squares where the norm is folded. Past K the token reads as zero."""
-        r0, x0 = _load_x_norm(X, NW, kk, K, ACT)
-        r1, x1 = _load_x_norm(X, NW, kk + 1, K, ACT)
-        r2, x2 = _load_x_norm(X, NW, kk + 2, K, ACT)
-        r3, x3 = _load_x_norm(X, NW, kk + 3, K, ACT)
-        if ACT == 2:
+        r0, x0 = _load_x(X, NW, kk, K, NORM)
+        r1, x1 = _load_x(X, NW, kk + 1, K, NORM)
+        r2, x2 = _load_x(X, NW, kk + 2, K, NORM)
+        r3, x3 = _load_x(X, NW, kk + 3, K, NORM)
+        if NORM:
             sq += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3
         f0, f1, f2, f3 = _e4m3x4(w, PTX)
         # One multiply-add each, in sequence (a sum of products first costs a multiply and an add more).
@@ -247,9 +260,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, WORK, COUNTERS, PTX: tl.constexpr,
-                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                          GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
+                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
@@ -258,7 +271,7 @@ if triton is not None:
         SPLIT partial rows of N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, ok = _rows(pid, N, BLOCK_N, GLU)
         WORDS: tl.constexpr = BLOCK_K // 4
         rj = tl.arange(0, WORDS)
         kw = K // 4
@@ -271,7 +284,7 @@ if triton is not None:
         if EVEN:
             w = tl.load(rows + lo + rj[None, :])
         else:
-            w = tl.load(rows + lo + rj[None, :], mask=(rn[:, None] < N) & (lo + rj[None, :] < hi), other=0)
+            w = tl.load(rows + lo + rj[None, :], mask=ok[:, None] & (lo + rj[None, :] < hi), other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -285,16 +298,16 @@ if triton is not None:
             if EVEN:
                 w_next = tl.load(rows + nj[None, :])
             else:
-                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
-            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, ACT, PTX)
+                w_next = tl.load(rows + nj[None, :], mask=ok[:, None] & (nj[None, :] < hi), other=0)
+            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, NORM, PTX)
             w = w_next
         if lo < hi:
-            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (last + rj), K, ACT, PTX)
+            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (last + rj), K, NORM, PTX)
         y = tl.sum(acc, axis=1)
         sqs = tl.sum(sq, axis=0)
         if SPLIT > 1:
-            tl.store(WORK + split * N + rn, y, mask=rn < N)
-            if ACT == 2:
+            tl.store(WORK + split * N + rn, y, mask=ok)
+            if NORM:
                 tl.store(WORK + SPLIT * N + split, sqs)
             # Every thread's partials are written before one thread counts this program in (release); the
             # last to arrive reads them from L2 (.cg: never a line its own SM cached before the count).
@@ -304,10 +317,12 @@ if triton is not None:
                 y = tl.zeros([BLOCK_N], dtype=tl.float32)
                 sqs = 0.0
                 for s in tl.static_range(SPLIT):
-                    y += tl.load(WORK + s * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
-                    if ACT == 2:
+                    y += tl.load(WORK + s * N + rn, mask=ok, other=0.0, cache_modifier=".cg")
+                    if NORM:
                         sqs += tl.load(WORK + SPLIT * N + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
-                _finish(y, sqs, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT, ADD_TO_OUT)
+                _finish(y, sqs, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU,
+                        ADD_TO_OUT, BLOCK_N)
         else:
-            _finish(y, sqs, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, ACT, ADD_TO_OUT)
+            _finish(y, sqs, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
+                    BLOCK_N)

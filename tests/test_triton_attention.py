@@ -238,8 +238,7 @@ def test_gemv_of_e4m3_weights_in_every_mode(n, k):
     x = torch.randn(1, k, generator=g)
     bias = torch.randn(n, generator=g)
     assert close(gemv(x, q, scale, bias), x @ deq.t() + bias, 1e-5)
-    h = torch.randn(1, 2 * k, generator=g)
-    assert close(gemv(h, q, scale, act="silu_mul"), silu_and_mul(h, fused=False) @ deq.t(), 1e-5)
+    assert close(gemv(x, q, scale, bias, glu=True), silu_and_mul(x @ deq.t() + bias, fused=False), 1e-5)
     norm_w = torch.rand(k, generator=g) + 0.5
     normed, _ = add_rms_norm(x, None, norm_w, 1e-6, fused=False)
     assert close(gemv(x, q, scale, norm=(norm_w, 1e-6)), normed @ deq.t(), 1e-5)
@@ -268,9 +267,8 @@ def test_gemv_of_e4m3_weights_split_over_k(n, k, split):
     first = gemv(x, q, scale, bias, launch=launch, counters=counters)
     assert close(first, x @ deq.t() + bias, 1e-5) and not counters.any()
     assert torch.equal(gemv(x, q, scale, bias, launch=launch, counters=counters), first)
-    h = torch.randn(1, 2 * k, generator=g)
-    got = gemv(h, q, scale, act="silu_mul", launch=launch, counters=counters)
-    assert close(got, silu_and_mul(h, fused=False) @ deq.t(), 1e-5) and not counters.any()
+    got = gemv(x, q, scale, glu=True, launch=launch, counters=counters)
+    assert close(got, silu_and_mul(x @ deq.t(), fused=False), 1e-5) and not counters.any()
     norm_w = torch.rand(k, generator=g) + 0.5
     normed, _ = add_rms_norm(x, None, norm_w, 1e-6, fused=False)
     got = gemv(x, q, scale, norm=(norm_w, 1e-6), launch=launch, counters=counters)
@@ -285,20 +283,25 @@ def test_gemv_of_e4m3_weights_split_over_k(n, k, split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gemv_with_silu_mul_is_down_proj_of_the_separate_activation(dtype):
+def test_gemv_with_glu_is_gate_up_proj_then_the_separate_activation(dtype):
+    """glu=True: each program takes matching gate and up rows and applies SiLU-and-mul to them, rounded as the
+    separate projection and activation kernels round: the same numbers as the two launches, to the bit, with a
+    partial last block (35 outputs in programs of eight) and the folded norm."""
     from kernels.fused import silu_and_mul
     from kernels.gemv import gemv
 
     g = torch.Generator().manual_seed(6)
-    w = (torch.randn(70, 300, generator=g) * 0.05).to(dtype)
-    h = torch.randn(1, 600, generator=g).to(dtype)  # gate and up, as gate_up_proj returns them
+    w = (torch.randn(70, 300, generator=g) * 0.05).to(dtype)  # gate rows, then up rows
+    x = torch.randn(1, 300, generator=g).to(dtype)
     bias = torch.randn(70, generator=g).to(dtype)
-    ref = silu_and_mul(h, fused=False).float() @ w.float().t() + bias.float()
-    got = gemv(h, w, bias=bias, act="silu_mul").float()
-    assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
+    got = gemv(x, w, bias=bias, glu=True)
+    assert got.shape == (1, 35) and torch.equal(got, silu_and_mul(gemv(x, w, bias=bias), fused=True))
+    norm = ((torch.rand(300, generator=g) + 0.5).to(dtype), 1e-6)
+    assert torch.equal(gemv(x, w, glu=True, norm=norm), silu_and_mul(gemv(x, w, norm=norm), fused=True))
     with pytest.raises(ValueError):
-        gemv(h[:, :300], w, act="silu_mul")  # the input must hold both halves
-
+        gemv(x, w[:69], glu=True)  # an odd number of rows has no halves
+    with pytest.raises(ValueError):
+        gemv(x, w, glu=True, residual=torch.zeros(1, 35, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -327,4 +330,4 @@ def test_gemv_folds_the_norm_before_and_the_residual_add_after(dtype):
     with pytest.raises(ValueError):
         gemv(a, w_out, residual=torch.zeros(1, 71, dtype=dtype))
     with pytest.raises(ValueError):
-        gemv(torch.randn(1, 140, generator=g).to(dtype), w_in[:, :70], act="silu_mul", norm=(norm_w, 1e-6))
+        gemv(torch.randn(1, 140, generator=g).to(dtype), w_in, norm=(norm_w, 1e-6))  # x is not [1, K]
