@@ -96,7 +96,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             counters = torch.zeros(blocks, dtype=torch.int32, device=x.device)
         if counters.dtype != torch.int32 or counters.numel() < blocks:
             raise ValueError(f"gemv: {blocks} int32 counters needed, got {counters.numel()} {counters.dtype}")
-        work = torch.empty(split * (n + 1), dtype=torch.float32, device=x.device)
+        work = torch.empty(split * (blocks * bn + 1), dtype=torch.float32, device=x.device)
     else:
         counters = work = w
     args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, work, counters)
@@ -121,7 +121,9 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
     and R3; gate_up: R6 and R7). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
     least eight rows."""
     if element_size == 1:  # FP8
-        if n >= 4 * k:  # 8B gate_up 0.82-0.84 against 0.69-0.78 for (8, 1024) (runs R6, R7); 0.5B 0.51 (R6)
+        if n >= 4 * k and k >= 4096:  # 8B gate_up with its activation: 0.91 against 0.83 for (16, 512) (run S1)
+            return 32, 256, 4, 3
+        if n >= 4 * k:  # 0.5B gate_up: 0.51-0.52 (runs R6, S1)
             return 16, 512, 4, 3
         if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
             return 32, 256, 4, 3, 4
@@ -140,24 +142,25 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
 if triton is not None:
     @triton.jit
     def _rows(pid, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
-        """The weight rows of program pid and which of them exist. With GLU, gate and up rows alternate: the
-        program's BLOCK_N // 2 outputs are rows i of the gate half and i + N/2 of the up half."""
+        """The weight rows of program pid. With GLU, gate and up rows alternate: the program's BLOCK_N // 2
+        outputs are rows i of the gate half and i + N/2 of the up half. Rows past N are masked where loaded;
+        in a partial last GLU block, gate rows past N/2 read real rows of the up half, whose products are
+        never stored."""
         j = tl.arange(0, BLOCK_N)
         if GLU:
             i = pid * (BLOCK_N // 2) + j // 2
-            return i + (j % 2) * (N // 2), i < N // 2
-        rn = pid * BLOCK_N + j
-        return rn, rn < N
+            return i + (j % 2) * (N // 2)
+        return pid * BLOCK_N + j
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, HAS_SCALE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        rn, ok = _rows(pid, N, BLOCK_N, GLU)
+        rn = _rows(pid, N, BLOCK_N, GLU)
         rk = tl.arange(0, BLOCK_K)
         rows = W + rn[:, None].to(tl.int64) * stride_wn
-        nmask = ok[:, None]
+        nmask = rn[:, None] < N
         # The first weight tile is loaded before the wait: no kernel of the step writes weights.
         w = tl.load(rows + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
         if PDL:
@@ -166,30 +169,31 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            kk = k0 + rk  # (X + k0 + rk would add k0 to the pointer first: two more registers, and less occupancy)
+            x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
             if NORM:
                 # rmsnorm's scale is one number for the whole token: gather its sum of squares on the way and
                 # apply it to the finished rows, so the token is read once, in the slices the loop reads anyway.
                 sq += x * x
-                x = x * tl.load(NW + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+                x = x * tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
             nk = k0 + BLOCK_K + rk
             w_next = tl.load(rows + nk[None, :], mask=nmask & (nk[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             w = w_next
-        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE,
+        _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE,
                 HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N)
 
     @triton.jit
-    def _finish(y, sq, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _finish(y, sq, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The finished rows y (weight rows rn, those that exist: ok): the folded norm's scale (sq: the token's
+        """The finished rows y (weight rows rn): the folded norm's scale (sq: the token's
         sum of squares), the weights' scale, the bias, the activation or the residual add; stored."""
         if NORM:
             y = y * tl.rsqrt(sq / K + eps)
         if HAS_SCALE:
-            y = y * tl.load(SCALE + rn, mask=ok, other=0.0)
+            y = y * tl.load(SCALE + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:
-            y += tl.load(BIAS + rn, mask=ok, other=0.0).to(tl.float32)
+            y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
         y = y.to(OUT.dtype.element_ty)
         if GLU:
             # Rounded as silu_and_mul rounds the bf16 projection it reads: silu(gate) to the dtype, then times up.
@@ -202,9 +206,9 @@ if triton is not None:
             if ADD_TO_OUT:
                 # The residual add, rounded to the stream's dtype as the separate add is. Each program reads
                 # and writes only its own rows, so updating in place is safe.
-                r = tl.load(OUT + rn, mask=ok, other=0.0)
+                r = tl.load(OUT + rn, mask=rn < N, other=0.0)
                 y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
-            tl.store(OUT + rn, y, mask=ok)
+            tl.store(OUT + rn, y, mask=rn < N)
 
     @triton.jit
     def _e4m3x4(w, PTX: tl.constexpr):
@@ -268,10 +272,10 @@ if triton is not None:
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
         weight besides its multiply-add, which bound the kernel by instruction issue below the copy ceiling.
         SPLIT > 1: program (i, s) takes the s-th of SPLIT slices of K (see the module's docstring); WORK holds
-        SPLIT partial rows of N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
+        SPLIT partial rows of every program's BLOCK_N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        rn, ok = _rows(pid, N, BLOCK_N, GLU)
+        rn = _rows(pid, N, BLOCK_N, GLU)
         WORDS: tl.constexpr = BLOCK_K // 4
         rj = tl.arange(0, WORDS)
         kw = K // 4
@@ -284,7 +288,7 @@ if triton is not None:
         if EVEN:
             w = tl.load(rows + lo + rj[None, :])
         else:
-            w = tl.load(rows + lo + rj[None, :], mask=ok[:, None] & (lo + rj[None, :] < hi), other=0)
+            w = tl.load(rows + lo + rj[None, :], mask=(rn[:, None] < N) & (lo + rj[None, :] < hi), other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -298,7 +302,7 @@ if triton is not None:
             if EVEN:
                 w_next = tl.load(rows + nj[None, :])
             else:
-                w_next = tl.load(rows + nj[None, :], mask=ok[:, None] & (nj[None, :] < hi), other=0)
+                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
             acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, NORM, PTX)
             w = w_next
         if lo < hi:
@@ -306,9 +310,12 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         sqs = tl.sum(sq, axis=0)
         if SPLIT > 1:
-            tl.store(WORK + split * N + rn, y, mask=ok)
+            # Partials by position in the program (GLU rows are not a block of N), PN of them per split.
+            PN = tl.num_programs(0) * BLOCK_N
+            at = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(WORK + split * PN + at, y)
             if NORM:
-                tl.store(WORK + SPLIT * N + split, sqs)
+                tl.store(WORK + SPLIT * PN + split, sqs)
             # Every thread's partials are written before one thread counts this program in (release); the
             # last to arrive reads them from L2 (.cg: never a line its own SM cached before the count).
             tl.debug_barrier()
@@ -317,12 +324,12 @@ if triton is not None:
                 y = tl.zeros([BLOCK_N], dtype=tl.float32)
                 sqs = 0.0
                 for s in tl.static_range(SPLIT):
-                    y += tl.load(WORK + s * N + rn, mask=ok, other=0.0, cache_modifier=".cg")
+                    y += tl.load(WORK + s * PN + at, cache_modifier=".cg")
                     if NORM:
-                        sqs += tl.load(WORK + SPLIT * N + s, cache_modifier=".cg")
+                        sqs += tl.load(WORK + SPLIT * PN + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
-                _finish(y, sqs, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU,
+                _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU,
                         ADD_TO_OUT, BLOCK_N)
         else:
-            _finish(y, sqs, pid, rn, ok, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
+            _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
                     BLOCK_N)
