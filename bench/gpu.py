@@ -223,10 +223,13 @@ def tune_gemv(device) -> None:
 
     whole = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
              (16, 512, 2, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 2, 2), (32, 256, 4, 3),
-             (32, 512, 4, 2), (32, 512, 8, 2)]
+             (32, 512, 4, 2), (32, 512, 8, 2),
+             # One tile per program where K allows: a program loads all its weights before its PDL wait.
+             (2, 4096, 2, 1), (4, 4096, 4, 1), (8, 4096, 4, 1), (8, 4096, 8, 1), (16, 4096, 8, 1)]
     # FP8 weights can also split K (the fifth number): tall programs, each over a slice of K.
     split = [(16, 512, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 4, 3, 8),
-             (32, 512, 4, 2, 4), (32, 512, 8, 2, 4), (64, 256, 8, 3, 4), (64, 256, 8, 3, 8), (32, 256, 4, 4, 4)]
+             (32, 512, 4, 2, 4), (32, 512, 8, 2, 4), (64, 256, 8, 3, 4), (64, 256, 8, 3, 8), (32, 256, 4, 4, 4),
+             (8, 4096, 4, 1, 4), (16, 2048, 4, 1, 7), (16, 2048, 8, 1, 7), (8, 2048, 4, 1, 7), (32, 1024, 8, 1, 4)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, glu) in shapes.items():
         for dt in (torch.bfloat16, FP8):
@@ -248,7 +251,7 @@ def tune_gemv(device) -> None:
                              1) / copies
                 res.append((size / t / bw, launch))
             res.sort(reverse=True)
-            default = launch_of(config(n, k, device, ws[0].element_size()))
+            default = launch_of(config(n, k, device, ws[0].element_size(), glu=glu))
             mine = next((r for r, c in res if launch_of(c) == default), float("nan"))
             print(f"  gemv {name} {str(dt).removeprefix('torch.')}: best {res[0][1]} {res[0][0]:.2f} of ceiling, "
                   f"then {res[1][1]} {res[1][0]:.2f}, {res[2][1]} {res[2][0]:.2f}; config() {default} {mine:.2f}; "

@@ -70,7 +70,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     out = residual if residual is not None else torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
     if x.is_cuda:
-        bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None))
+        bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None,
+                                                                   glu))
     else:  # the interpreter (tests): small tiles, and the split of `launch` if one is given
         bn, bk, warps, stages, split = 16, 64, 4, 1, launch_of(launch)[4] if launch else 1
     if split > 1 and not e4m3:
@@ -111,8 +112,8 @@ def launch_of(launch: tuple) -> tuple[int, int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def config(n: int, k: int, device: torch.device, element_size: int = 2,
-           norm: bool = False) -> tuple[int, ...]:
+def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bool = False,
+           glu: bool = False) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, warps, stages[, split]) for an [n, k] weight: a fixed choice, never a timed one, so
     that every process computes a projection with the same summation order and greedy tokens agree across
     workers (a prefill and a decode worker, or two replicas). The choices are the best or near-best of
@@ -121,7 +122,7 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2,
     and R3; gate_up: R6 and R7). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
     least eight rows."""
     if element_size == 1:  # FP8
-        if n >= 4 * k and k >= 4096:  # 8B gate_up with its activation: 0.91 against 0.83 for (16, 512) (run S1)
+        if n >= 4 * k and k >= 4096 and glu:  # 8B gate_up with its activation: 0.90-0.91 against 0.81-0.83 (S1, S2)
             return 32, 256, 4, 3
         if n >= 4 * k:  # 0.5B gate_up: 0.51-0.52 (runs R6, S1)
             return 16, 512, 4, 3
