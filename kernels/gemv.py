@@ -129,7 +129,9 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bo
         if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
             return 32, 256, 4, 3, 4
         return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)  # 0.5B down 0.18 (Q); 8B o 0.53-0.56, down 0.58
-    if k >= 4096 and n >= 4 * k and not norm:  # gate_up: 0.98 of the copy ceiling against 0.96
+    if k >= 4096 and n >= 4 * k and glu and not norm:  # gate_up + SiLU: 0.95-0.96 against 0.92-0.93 (S2, S3)
+        return 8, 1024, 4, 2
+    if k >= 4096 and n >= 4 * k and not norm:  # gate_up alone: 0.98 of the copy ceiling against 0.96
         return 2, 2048, 2, 2
     if k >= 4096 and n > k:  # qkv: 0.85 against 0.78
         return 16, 512, 4, 3

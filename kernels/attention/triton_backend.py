@@ -24,22 +24,6 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _decode_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One tile of the online softmax: q [G, D] against K/V [N, D] (an FP8 pool is widened to the query's
-    dtype as it is read; its scale is 1.0), tokens past the split masked out."""
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, KV, indptr, indices, seq_lens, O_part, LSE_part,
     stride_qb, stride_qh,
@@ -70,27 +54,14 @@ def _decode_split_kernel(
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
         # The first tile's page-table entries are read before the wait, and each later tile's one tile ahead:
-        # the table is written before the step, so only the K/V loads wait on a page-table read. So is the
-        # first tile's K/V, unless it holds the newest token, whose K/V the previous kernel writes (the last
-        # split's tile); the other splits' loads are in flight while the previous kernel drains.
+        # the table is written before the step, so only the K/V loads wait on a page-table read.
         t = start + tl.arange(0, BLOCK_N)
-        d = tl.arange(0, BLOCK_D)
-        kmask = (t < end)[:, None] & (d[None, :] < D)
         page = tl.load(indices + page_base + t // PAGE, mask=t < end, other=0).to(tl.int64)
-        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
-        early = end < seq_len
-        emask = (t < tl.where(early, end, start))[:, None] & (d[None, :] < D)  # kmask, or nothing
-        k = tl.load(KV + row[:, None] + d[None, :], mask=emask, other=0.0)
-        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=emask, other=0.0)
-        tn = t + BLOCK_N
-        page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if not early:
-            k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
-            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
         g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
         heads = kvh * G + g
         # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -98,8 +69,7 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _decode_tile(q, k, v, t < end, m_i, l_i, acc, scale, PRECISION)
-        for t0 in range(start + BLOCK_N, end, BLOCK_N):
+        for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
             row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
@@ -108,9 +78,17 @@ def _decode_split_kernel(
             tn = t + BLOCK_N
             page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
             kmask = valid[:, None] & (d[None, :] < D)
-            k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0)
-            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0)
-            m_i, l_i, acc = _decode_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
+            # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+            k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
         omask = (g[:, None] < G) & (d[None, :] < D)
