@@ -103,9 +103,14 @@ def run_up(ns, engine_argv: list[str]) -> int:
     for role, n in plan:
         for _ in range(n):
             cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv)
+    # Ctrl-C and SIGTERM only ask the loop below to stop: no exception lands inside a library call, and an
+    # `up` started as a background job (which inherits SIGINT ignored) still stops on SIGINT.
+    stopping: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _: stopping.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _: stopping.append(signum))
     children = [subprocess.Popen(c, preexec_fn=die_with_parent) for c in cmds]
 
-    def stop(*_):
+    def stop():
         for c in children:
             if c.poll() is None:
                 c.terminate()
@@ -116,11 +121,10 @@ def run_up(ns, engine_argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 c.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
     url = f"http://{ns.host}:{ns.port}"
     ready = False
     try:
-        while True:
+        while not stopping:
             dead = [c for c in children if c.poll() is not None]
             if dead:
                 print(f"pdserve: a child process exited (code {dead[0].returncode}); stopping the cluster",
@@ -136,7 +140,6 @@ def run_up(ns, engine_argv: list[str]) -> int:
                     desc = f"{ns.colocated} colocated" if ns.colocated else f"{ns.prefill} prefill + {ns.decode} decode"
                     print(f"pdserve ready at {url} ({desc})", flush=True)
             time.sleep(0.2)
-    except KeyboardInterrupt:
         return 0
     finally:
         stop()

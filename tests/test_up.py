@@ -27,11 +27,13 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def start_up(*extra: str) -> tuple[subprocess.Popen, str]:
+def start_up(*extra: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, str]:
+    """`pdserve up` with its ready line read; sigint_ignored: started as a shell starts a background job."""
     port = free_port()
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--port", str(port), *extra,
                           "--max-total-tokens", "2048"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True)
+                         text=True, preexec_fn=ignore)
     lines = []
     for line in p.stdout:  # until the ready line (or the end of output, if it never comes)
         lines.append(line)
@@ -63,7 +65,8 @@ def wait_gone(pids, timeout=20) -> bool:
 
 
 def test_ready_line_then_ctrl_c_stops_everything():
-    p, url = start_up("--prefill", "1", "--decode", "1")
+    """Even started with SIGINT ignored (a background job of a shell), `up` stops its cluster on SIGINT."""
+    p, url = start_up("--prefill", "1", "--decode", "1", sigint_ignored=True)
     try:
         kids = children(p.pid)
         assert len(kids) == 3  # coordinator, prefill, decode
