@@ -262,30 +262,31 @@ def tune_gemv(device) -> None:
 
 def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
     """Batch-1 matmuls of one layer and the LM head, timed inside CUDA graphs: share of the copy ceiling for
-    bf16 cuBLAS, the Triton GEMV on the bf16 weights, and the FP8 weight-only GEMV on the same shapes."""
+    bf16 cuBLAS, the Triton GEMV on the bf16 weights, and the FP8 weight-only GEMV on the same shapes
+    (gate_up with its activation, as the model runs it; cuBLAS without)."""
     import torch.nn.functional as F
 
-    from kernels.fp8_linear import fp8_weight_matmul, quantize_per_channel
+    from kernels.fp8_linear import quantize_per_channel
+    from kernels.gemv import config, gemv
 
     layer = model.layers[0]
     shapes = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
               "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
               "lm_head": model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight}
     for name, w in shapes.items():
+        glu = name == "gate_up"
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
         t = in_graph(lambda: F.linear(x, w))
-        ones = torch.ones(w.shape[0], device=w.device)
-        tg = in_graph(lambda: fp8_weight_matmul(x, w, ones))
-        line = (f"  linear {name} {tuple(w.shape)}: cuBLAS bf16 {t * 1e6:.1f} us = {w.numel() * 2 / t / copy_bw:.2f} "
-                f"of ceiling; triton bf16 {tg * 1e6:.1f} us = {w.numel() * 2 / tg / copy_bw:.2f}")
+        tg = in_graph(lambda: gemv(x, w, glu=glu))
+        line = (f"  linear {name}{' + SiLU' if glu else ''} {tuple(w.shape)}: cuBLAS bf16 {t * 1e6:.1f} us = "
+                f"{w.numel() * 2 / t / copy_bw:.2f} of ceiling; triton bf16 {tg * 1e6:.1f} us = "
+                f"{w.numel() * 2 / tg / copy_bw:.2f}")
         if name != "lm_head":
             q, scale = quantize_per_channel(w)
             counters = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)  # for a split K
-            t8 = in_graph(lambda: fp8_weight_matmul(x, q, scale, counters=counters))
-            from kernels.gemv import config
-
+            t8 = in_graph(lambda: gemv(x, q, scale, glu=glu, counters=counters))
             line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
-                     f"(BLOCK_N, BLOCK_K, warps, stages {config(*q.shape, q.device, 1)})")
+                     f"(BLOCK_N, BLOCK_K, warps, stages {config(*q.shape, q.device, 1, glu=glu)})")
             del q
         print(line, flush=True)
 
