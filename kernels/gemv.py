@@ -119,16 +119,17 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bo
     workers (a prefill and a decode worker, or two replicas). The choices are the best or near-best of
     `python -m bench.gpu --tune-gemv` on an H200 for the 8B and 0.5B shapes (docs/benchmarks.md); FP8 ones
     were kept only where they led or came within 0.02 of the lead in two runs on different machines (runs R2
-    and R3; gate_up: R6 and R7). A folded norm (`norm`) costs each program work per token element, so it gets programs of at
-    least eight rows."""
+    and R3; gate_up: R6 and R7; gate_up with its activation: S1-S3). A folded norm (`norm`) costs each program
+    work per token element, so it gets programs of at least eight rows."""
     if element_size == 1:  # FP8
-        if n >= 4 * k and k >= 4096 and glu:  # 8B gate_up with its activation: 0.90-0.91 against 0.81-0.83 (S1, S2)
+        if n >= 4 * k and k >= 4096 and glu:  # 8B gate_up + SiLU: 0.89-0.91 against 0.80-0.83 (S1-S3)
             return 32, 256, 4, 3
-        if n >= 4 * k:  # 0.5B gate_up: 0.51-0.52 (runs R6, S1)
+        if n >= 4 * k:  # 0.5B gate_up (+ SiLU): 0.51-0.54 (runs R6, S1-S3)
             return 16, 512, 4, 3
         if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
             return 32, 256, 4, 3, 4
-        return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)  # 0.5B down 0.18 (Q); 8B o 0.53-0.56, down 0.58
+        # 0.5B down 0.24-0.25; 8B o 0.54-0.57, down 0.71-0.73 (S1-S3)
+        return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)
     if k >= 4096 and n >= 4 * k and glu and not norm:  # gate_up + SiLU: 0.95-0.96 against 0.92-0.93 (S2, S3)
         return 8, 1024, 4, 2
     if k >= 4096 and n >= 4 * k and not norm:  # gate_up alone: 0.98 of the copy ceiling against 0.96
