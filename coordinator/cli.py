@@ -145,8 +145,20 @@ def run_up(ns, engine_argv: list[str]) -> int:
         stop()
 
 
+def check_own_kernels() -> None:
+    """Stop with a clear message where another distribution's `kernels` package stands in for ours (see
+    kernels/__init__.py), instead of an ImportError deep inside the first worker."""
+    import kernels
+
+    if getattr(kernels, "OWNER", None) != "pdserve":
+        raise SystemExit(f"pdserve: the `kernels` package at {getattr(kernels, '__file__', None)} is not pdserve's "
+                         "(Hugging Face's `kernels` distribution, which transformers >= 5.25 installs, has the same "
+                         "import name); install pdserve in an environment without it")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    check_own_kernels()
     ap = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
     sub = ap.add_subparsers(dest="cmd", required=True)

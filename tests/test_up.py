@@ -96,3 +96,19 @@ def test_children_die_with_a_killed_up():
     p.kill()  # no chance to clean up: the children must still go
     p.wait()
     assert wait_gone(kids)
+
+
+def test_another_distributions_kernels_package_is_named_not_imported_blindly(tmp_path):
+    """Where Hugging Face's `kernels` (same import name) comes first on the path, the command line says so and
+    exits, before any worker fails on a missing module."""
+    fake = tmp_path / "kernels"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("class CUDAProperties:\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", "--help"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is not pdserve's" in r.stderr and str(fake) in r.stderr
+    ok = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", "--help"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "--prefill" in ok.stdout
+
