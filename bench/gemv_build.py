@@ -23,32 +23,38 @@ from triton.compiler import ASTSource
 
 from kernels import gemv as G
 
-SHAPES = {"8B qkv": (6144, 4096, False), "8B o": (4096, 4096, False), "8B gate_up + SiLU": (28672, 4096, True),
-          "8B down": (4096, 14336, False), "0.5B qkv": (1152, 896, False), "0.5B o": (896, 896, False),
-          "0.5B gate_up + SiLU": (9728, 896, True), "0.5B down": (896, 4864, False)}
+# name: (rows, K, "glu" / "rope" / None); rope: (query heads, KV heads, head dim) of the shape.
+SHAPES = {"8B qkv": (6144, 4096, None), "8B qkv + rope (PDSERVE_FUSE_ROPE)": (6144, 4096, "rope"),
+          "8B o": (4096, 4096, None), "8B gate_up + SiLU": (28672, 4096, "glu"), "8B down": (4096, 14336, None),
+          "0.5B qkv": (1152, 896, None), "0.5B qkv + rope (PDSERVE_FUSE_ROPE)": (1152, 896, "rope"),
+          "0.5B o": (896, 896, None), "0.5B gate_up + SiLU": (9728, 896, "glu"), "0.5B down": (896, 4864, None)}
+HEADS = {6144: (32, 8, 128), 1152: (14, 2, 64)}
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 SHARED_PER_SM = 228 * 1024
 
 
-def build(n: int, k: int, glu: bool, fp8: bool):
+def build(n: int, k: int, mode: str | None, fp8: bool):
     """The kernel config() picks for an [n, k] weight, compiled for sm_90, and its launch."""
+    glu, rope = mode == "glu", mode == "rope"
     bn, bk, warps, stages, split = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, glu=glu))
+    hq, hkv, dim = HEADS[n] if rope else (1, 1, 2)
     flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, GLU=glu, ADD_TO_OUT=False, PDL=True,
-                 BLOCK_N=bn, BLOCK_K=bk)
-    sig = {"X": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
-           "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32"}
+                 BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv, HALF=dim // 2, KV_FP8=False)
+    types = {"X": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
+             "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "R_COS": "*bf16",
+             "R_SIN": "*bf16", "R_KV": "*bf16", "R_PAGE": "*i64", "R_SLOT": "*i64", "r_sp": "i32", "r_skv": "i32",
+             "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}
     fn = G._gemv_kernel
     if fp8:
-        sig |= {"WORK": "*fp32", "COUNTERS": "*i32"}
-        even = n // (2 if glu else 1) % (bn // 2 if glu else bn) == 0 and k % (bk * split) == 0
+        even = n % bn == 0 and k % (bk * split) == 0
         flags |= dict(PTX=True, EVEN=even, SPLIT=split)
         fn = G._gemv_e4m3_kernel
+    sig = {name: "constexpr" if name in flags else types[name] for name in fn.arg_names}
     names = list(sig)
     # As a launch with 16-byte aligned pointers and sizes sees them (torch's allocations, the model's shapes).
-    aligned = [a for a in names if a != "eps"]
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    sig |= {name: "constexpr" for name in flags}
+    aligned = ("X", "W", "SCALE", "BIAS", "NW", "OUT", "N", "K", "stride_wn", "WORK", "COUNTERS")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs=flags, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
                                                                                  num_stages=stages))
@@ -83,9 +89,9 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     print("| projection | weights | launch | registers | stack bytes | shared bytes | programs per SM |")
     print("|---|---|---|---|---|---|---|")
-    for name, (n, k, glu) in SHAPES.items():
+    for name, (n, k, mode) in SHAPES.items():
         for fp8 in (False, True):
-            compiled, launch = build(n, k, glu, fp8)
+            compiled, launch = build(n, k, mode, fp8)
             regs, stack = resources(compiled)
             shared = compiled.metadata.shared
             print(f"| {name} | {'FP8' if fp8 else 'bf16'} | {launch} | {regs} | {stack} | {shared} | "

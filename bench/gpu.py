@@ -626,27 +626,34 @@ def greedy_tokens(engine: Engine, ctx: int, n: int) -> list[int]:
     return req.output_ids
 
 
-def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int) -> None:
-    """The batch-1 step with the norms folded into the projections (off by default until measured) against
-    `engine`, the default: step time, and whether 32 greedy tokens agree with the default's."""
-    name = "norms folded into the GEMV (PDSERVE_FOLD_NORMS=1)"
+# Batch-1 experiments, off by default until a GPU run shows they pay: environment variable -> what it does.
+EXPERIMENTS = {"PDSERVE_FOLD_NORMS": "norms folded into the GEMV",
+               "PDSERVE_FUSE_ROPE": "rope and the KV store in the qkv GEMV"}
+
+
+def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int,
+                 experiments: dict[str, str] = EXPERIMENTS) -> None:
+    """The batch-1 step with each experiment on, against `engine`, the default: step time, and whether 32
+    greedy tokens agree with the default's."""
     base = greedy_tokens(engine, ctx, 32)
-    os.environ["PDSERVE_FOLD_NORMS"] = "1"
-    try:
-        e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
-        t = decode_step_time(e, 1, ctx, steps)
-        same = greedy_tokens(e, ctx, 32) == base
-        del e
-    except Exception as ex:  # an experiment must not take the rest of the suite down with it
-        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}", None, None, None, f"failed: {ex!r:.120}"))
+    for var, what in experiments.items():
+        name = f"{what} ({var}=1)"
+        os.environ[var] = "1"
+        try:
+            e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
+            t = decode_step_time(e, 1, ctx, steps)
+            same = greedy_tokens(e, ctx, 32) == base
+            del e
+        except Exception as ex:  # an experiment must not take the rest of the suite down with it
+            rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}", None, None, None, f"failed: {ex!r:.120}"))
+            print(rows[-1], flush=True)
+            continue
+        finally:
+            os.environ.pop(var)
+            gc.collect()
+        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
+                     f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
         print(rows[-1], flush=True)
-        return
-    finally:
-        os.environ.pop("PDSERVE_FOLD_NORMS")
-        gc.collect()
-    rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
-                 f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
-    print(rows[-1], flush=True)
 
 
 def kernel_time(fn, iters: int = 20) -> float:
@@ -980,6 +987,9 @@ def main() -> None:
         rows.append((f"{bn} FP8 weights, batch-1 decode, {ctx1} ctx: step ms (bf16 ms)", t_fp8 * 1e3, t_bf16 * 1e3,
                      t_bf16 / t_fp8, ">= 1.6x"))
         print(rows[-1], flush=True)
+        # The model's linears are FP8 now, so the experiment's engine runs FP8 too.
+        variant_rows(e, big, f"{bn} FP8", t_fp8, rows, ctx1, steps,
+                     {"PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]})
         del e
     del big
     if device.type == "cuda":

@@ -26,3 +26,9 @@ class Env:
         """One-token decode steps on a GPU fold each RMSNorm and residual add into the neighbouring projections'
         GEMV (PDSERVE_FOLD_NORMS=1; off by default until its speed is measured on a GPU)."""
         return os.environ.get("PDSERVE_FOLD_NORMS", "0") == "1"
+
+    @staticmethod
+    def fuse_rope() -> bool:
+        """One-token decode steps on a GPU fold rope and the KV store into the qkv projection's GEMV
+        (PDSERVE_FUSE_ROPE=1; off by default until its speed is measured on a GPU)."""
+        return os.environ.get("PDSERVE_FUSE_ROPE", "0") == "1"

@@ -96,12 +96,12 @@ class Linear(nn.Linear):
     reduction kernel. `glu=True` (gate_up_proj): the output is silu(gate) * up, fused into the GEMV."""
 
     def forward(self, x: torch.Tensor, glu: bool = False, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`norm` and `residual` (one token; CausalLM.folds decided the GEMV runs): project norm(x), or add the
-        projection to `residual` in place and return it (kernels/gemv.py)."""
-        if norm is not None or residual is not None:
+                residual: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+        """`norm`, `residual` and `rope` (one token; CausalLM decided the GEMV runs): project norm(x), add the
+        projection to `residual` in place and return it, or rotate and store q, k, v (kernels/gemv.py)."""
+        if norm is not None or residual is not None or rope is not None:
             return gemv(x, self.weight, bias=self.bias, glu=glu, norm=None if norm is None else (norm.weight, norm.eps),
-                        residual=residual)
+                        residual=residual, rope=rope)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, glu=glu)
         y = F.linear(x, self.weight, self.bias)
@@ -122,18 +122,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin, attn, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`norm`/`residual`: the folded one-token path (DecoderLayer.forward_folded)."""
+                residual: torch.Tensor | None = None, fuse_rope: bool = False) -> torch.Tensor:
+        """`norm`/`residual`: the folded one-token path (DecoderLayer.forward_folded); `fuse_rope`: rope and
+        the KV store in the qkv GEMV (CausalLM.fuses_rope)."""
         c = self.config
         n = x.shape[0]
-        qk, v = self.qkv_proj(x, norm=norm).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
-        v = v.view(n, c.num_key_value_heads, c.head_dim)
-        qk = qk.view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # Rope on q and k heads together, fused with storing k and v where a kernel is available.
-        out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
+        if fuse_rope:
+            q = self.qkv_proj(x, norm=norm, rope=attn.rope_target(cos_sin, c.num_attention_heads, self.layer_id))
+            out = attn.attend(q, self.layer_id)
+        else:
+            qk, v = self.qkv_proj(x, norm=norm).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+            v = v.view(n, c.num_key_value_heads, c.head_dim)
+            qk = qk.view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            # Rope on q and k heads together, fused with storing k and v where a kernel is available.
+            out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
         if residual is not None:
             return self.o_proj(out.reshape(n, c.q_size), residual=residual)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
@@ -161,17 +166,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos_sin, attn):
+    def forward(self, x, residual, cos_sin, attn, fuse_rope: bool = False):
         # The residual stream is carried beside the layer output, so each add fuses into the next norm.
         h, residual = self.input_layernorm.add_norm(x, residual)
-        h = self.self_attn(h, cos_sin, attn)
+        h = self.self_attn(h, cos_sin, attn, fuse_rope=fuse_rope)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 
-    def forward_folded(self, stream: torch.Tensor, cos_sin, attn) -> None:
+    def forward_folded(self, stream: torch.Tensor, cos_sin, attn, fuse_rope: bool = False) -> None:
         """One token, one GPU: the norms fold into qkv_proj and gate_up_proj, the residual adds into o_proj and
         down_proj, which update `stream` in place; four kernels for the projections, none for the norms."""
-        self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream)
+        self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream, fuse_rope=fuse_rope)
         self.mlp(stream, norm=self.post_attention_layernorm, residual=stream)
 
 
@@ -196,14 +201,15 @@ class CausalLM(nn.Module):
         """Hidden states [N, hidden] after the final norm; `attn` is the planned attention step."""
         x = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        fuse_rope = self.fuses_rope(x)
         if self.folds(x):
             # x is the embedding lookup's own tensor, so it can carry the residual stream in place.
             for layer in self.layers:
-                layer.forward_folded(x, cos_sin, attn)
+                layer.forward_folded(x, cos_sin, attn, fuse_rope)
             return self.norm.add_norm(x, None)[0]
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, attn)
+            x, residual = layer(x, residual, cos_sin, attn, fuse_rope)
         return self.norm.add_norm(x, residual)[0]
 
     # Whether one-token steps fold the norms and residual adds into the projections' GEMV
@@ -216,6 +222,17 @@ class CausalLM(nn.Module):
         if self.fold_norms is not None:
             return self.fold_norms
         return gemv_available(x) and Env.fold_norms()
+
+    # Whether one-token steps fold rope and the KV store into the qkv GEMV (kernels/gemv.py, rope=): None
+    # follows PDSERVE_FUSE_ROPE on a GPU; True/False force it (tests). Not with q/k norms, which come between.
+    fuse_rope: bool | None = None
+
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        if x.shape[0] != 1 or self.config.qk_norm or self.config.head_dim % 2:
+            return False
+        if self.fuse_rope is not None:
+            return self.fuse_rope
+        return gemv_available(x) and Env.fuse_rope()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -27,6 +27,10 @@ of its own: `norm=(weight, eps)` takes x as the residual stream and projects rms
 gathered in the K loop and applied to the finished rows; the normed token is never rounded to bf16 on the
 way, so this is a little more exact than the separate norm kernel), and `residual=r`
 adds the projection to r in place (rounded to r's dtype, as the separate add is) and returns r.
+
+`rope=RopeTarget` (an experiment, PDSERVE_FUSE_ROPE=1) folds kernels/rope.py's rope_store into qkv_proj: the
+rows of each head pair d with d + D/2, and the finished pairs are rotated and stored as rope_store stores
+them, q into the returned [1, Hq, D] and k, v into the token's pool slot. A layer then has no rope kernel.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import functools
 import torch
 
 from kernels import pdl
+from kernels.rope import RopeTarget
 
 try:
     import triton
@@ -53,21 +58,34 @@ def available(x: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, glu: bool = False, launch: tuple | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-         counters: torch.Tensor | None = None) -> torch.Tensor:
+         counters: torch.Tensor | None = None, rope: RopeTarget | None = None) -> torch.Tensor:
     """x [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype, or
     with `glu` silu(first half) * (second half), [1, N/2]. `norm` and `residual`: see the module's docstring.
     `launch` overrides config() (bench/gpu.py --tune-gemv). `counters`: int32 zeros, at least one per row
     block, for launches that split K (they are left at zero); without them a split launch allocates its own
-    (one more kernel, a memset)."""
+    (one more kernel, a memset). `rope`: returns the rotated q [1, Hq, D] (see the module's docstring)."""
     n, k = w.shape
-    if x.shape != (1, k) or w.stride(1) != 1 or (glu and (n % 2 or residual is not None)):
+    paired = glu or rope is not None
+    if x.shape != (1, k) or w.stride(1) != 1 or (paired and (n % 2 or residual is not None)) or (glu and rope):
         raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} strides {w.stride()}, glu {glu}, "
-                         f"residual {residual is not None}")
-    n_out = n // 2 if glu else n
+                         f"rope {rope is not None}, residual {residual is not None}")
     if residual is not None and (residual.shape != (1, n) or not residual.is_contiguous()):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} for an output of {n}")
     x = x.contiguous()
-    out = residual if residual is not None else torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    if rope is not None:
+        hq, hkv, dim = rope.num_q_heads, rope.kv.shape[3], rope.kv.shape[4]
+        if n != (hq + 2 * hkv) * dim or dim % 2 or rope.cos.shape != (dim,) or rope.sin.shape != (dim,):
+            raise ValueError(f"gemv: rope over {hq} + 2 x {hkv} heads of {dim} for {n} rows")
+        out = torch.empty(1, hq, dim, dtype=x.dtype, device=x.device)
+        fp8_kv = rope.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        rope_args = (rope.cos, rope.sin, rope.kv, rope.page, rope.slot, *rope.kv.stride()[:4],
+                     torch.finfo(rope.kv.dtype).max if fp8_kv else 0.0)
+        rope_flags = dict(ROPE=True, HQ=hq, HKV=hkv, HALF=dim // 2, KV_FP8=fp8_kv)
+    else:
+        out = residual if residual is not None else torch.empty(1, n // 2 if glu else n, dtype=x.dtype,
+                                                                device=x.device)
+        rope_args = (w, w, w, w, w, 0, 0, 0, 0, 0.0)
+        rope_flags = dict(ROPE=False, HQ=1, HKV=1, HALF=1, KV_FP8=False)
     e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
     if x.is_cuda:
         bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None,
@@ -82,14 +100,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     norm_w, eps = norm if norm is not None else (w, 0.0)
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
             w.stride(0), eps)
-    if glu and bn < 2:
-        raise ValueError(f"gemv: glu needs programs of at least two rows (a gate and an up row), launch {launch}")
+    if paired and bn < 2:
+        raise ValueError(f"gemv: glu and rope need programs of at least two rows (a pair), launch {launch}")
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None, GLU=glu,
                  ADD_TO_OUT=residual is not None, PDL=pdl.enabled(x) if x.is_cuda else False, BLOCK_N=bn,
-                 BLOCK_K=bk)
+                 BLOCK_K=bk, **rope_flags)
     opts = dict(launch_pdl=flags["PDL"], num_warps=warps, num_stages=stages) if x.is_cuda else {}
     if not e4m3:
-        _gemv_kernel[(blocks,)](*args, **flags, **opts)
+        _gemv_kernel[(blocks,)](*args, *rope_args, **flags, **opts)
         return out
     # Four weights to a word (see _gemv_e4m3_kernel); widened by PTX on a GPU.
     if split > 1:
@@ -100,8 +118,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         work = torch.empty(split * (blocks * bn + 1), dtype=torch.float32, device=x.device)
     else:
         counters = work = w
-    args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, work, counters)
-    even = n_out % (bn // 2 if glu else bn) == 0 and k % (bk * split) == 0
+    args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, *rope_args, work, counters)
+    even = n % bn == 0 and k % (bk * split) == 0  # (paired rows: n/2 pairs in programs of bn/2)
     _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split)
     return out
 
@@ -145,23 +163,29 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bo
 
 if triton is not None:
     @triton.jit
-    def _rows(pid, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    def _rows(pid, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
         """The weight rows of program pid. With GLU, gate and up rows alternate: the program's BLOCK_N // 2
-        outputs are rows i of the gate half and i + N/2 of the up half. Rows past N are masked where loaded;
-        in a partial last GLU block, gate rows past N/2 read real rows of the up half, whose products are
-        never stored."""
+        outputs are rows i of the gate half and i + N/2 of the up half. With ROPE, each head's rows d and
+        d + HALF alternate, the pairs rope rotates together. Rows past N are masked where loaded; in a partial
+        last GLU block, gate rows past N/2 read real rows of the up half, whose products are never stored."""
         j = tl.arange(0, BLOCK_N)
         if GLU:
             i = pid * (BLOCK_N // 2) + j // 2
             return i + (j % 2) * (N // 2)
+        if ROPE:
+            i = pid * (BLOCK_N // 2) + j // 2
+            return (i // HALF) * (2 * HALF) + i % HALF + (j % 2) * HALF
         return pid * BLOCK_N + j
 
     @triton.jit
-    def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, HAS_SCALE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps,
+                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit,
+                     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                     ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                     KV_FP8: tl.constexpr):
         pid = tl.program_id(0)
-        rn = _rows(pid, N, BLOCK_N, GLU)
+        rn = _rows(pid, N, BLOCK_N, GLU, ROPE, HALF)
         rk = tl.arange(0, BLOCK_K)
         rows = W + rn[:, None].to(tl.int64) * stride_wn
         nmask = rn[:, None] < N
@@ -185,13 +209,16 @@ if triton is not None:
             acc += w.to(tl.float32) * x[None, :]
             w = w_next
         _finish(tl.sum(acc, axis=1), tl.sum(sq, axis=0), pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE,
-                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N)
+                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8)
 
     @triton.jit
     def _finish(y, sq, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE: tl.constexpr,
+                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr):
         """The finished rows y (weight rows rn): the folded norm's scale (sq: the token's
-        sum of squares), the weights' scale, the bias, the activation or the residual add; stored."""
+        sum of squares), the weights' scale, the bias, then the activation, rope and the KV store, or the
+        residual add; stored."""
         if NORM:
             y = y * tl.rsqrt(sq / K + eps)
         if HAS_SCALE:
@@ -206,6 +233,9 @@ if triton is not None:
             s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
             ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(OUT + ro, (s.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty), mask=ro < N // 2)
+        elif ROPE:
+            _rope_store(y, pid, OUT, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, BLOCK_N,
+                        HQ, HKV, HALF, KV_FP8)
         else:
             if ADD_TO_OUT:
                 # The residual add, rounded to the stream's dtype as the separate add is. Each program reads
@@ -213,6 +243,42 @@ if triton is not None:
                 r = tl.load(OUT + rn, mask=rn < N, other=0.0)
                 y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
             tl.store(OUT + rn, y, mask=rn < N)
+
+    @triton.jit
+    def _rope_store(y, pid, Q, COS, SIN, KV, PAGE, SLOT, s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit,
+                    BLOCK_N: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                    FP8: tl.constexpr):
+        """kernels/rope.py's rope_store on the finished qkv rows y (pairs d, d + HALF of a head, rounded to
+        the activation dtype): q heads rotated into Q [HQ, 2 * HALF], k heads rotated and v heads as they are
+        into the token's pool slot, rounded (and saturated for an FP8 pool) as rope_store rounds them."""
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        i = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        head = i // HALF
+        d = i % HALF
+        c = tl.load(COS + HALF + d).to(tl.float32)
+        s = tl.load(SIN + HALF + d).to(tl.float32)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        r1 = a * c - b * s
+        r2 = b * c + a * s
+        is_q = head < HQ
+        qo = Q + head * (2 * HALF) + d
+        tl.store(qo, r1.to(Q.dtype.element_ty), mask=is_q)
+        tl.store(qo + HALF, r2.to(Q.dtype.element_ty), mask=is_q)
+        is_k = (head >= HQ) & (head < HQ + HKV)
+        is_kv = (head >= HQ) & (head < HQ + 2 * HKV)
+        # k is rounded to the activation dtype first, as rope_store rounds it.
+        k1 = tl.where(is_k, r1.to(Q.dtype.element_ty).to(tl.float32), a)
+        k2 = tl.where(is_k, r2.to(Q.dtype.element_ty).to(tl.float32), b)
+        if FP8:
+            k1 = tl.clamp(k1, -limit, limit)
+            k2 = tl.clamp(k2, -limit, limit)
+        page = tl.load(PAGE).to(tl.int64)
+        slot = tl.load(SLOT).to(tl.int64)
+        kv_head = tl.where(is_k, head - HQ, head - HQ - HKV).to(tl.int64)
+        dst = KV + page * s_kv_p + slot * s_kv_s + kv_head * s_kv_h + d + tl.where(is_k, 0, s_kv_kv)
+        tl.store(dst, k1.to(KV.dtype.element_ty), mask=is_kv)
+        tl.store(dst + HALF, k2.to(KV.dtype.element_ty), mask=is_kv)
 
     @triton.jit
     def _e4m3x4(w, PTX: tl.constexpr):
@@ -267,10 +333,14 @@ if triton is not None:
         return acc, sq
 
     @triton.jit
-    def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, WORK, COUNTERS, PTX: tl.constexpr,
+    def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps,
+                          R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit,
+                          WORK, COUNTERS, PTX: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
-                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                          KV_FP8: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
@@ -279,7 +349,7 @@ if triton is not None:
         SPLIT partial rows of every program's BLOCK_N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        rn = _rows(pid, N, BLOCK_N, GLU)
+        rn = _rows(pid, N, BLOCK_N, GLU, ROPE, HALF)
         WORDS: tl.constexpr = BLOCK_K // 4
         rj = tl.arange(0, WORDS)
         kw = K // 4
@@ -333,7 +403,7 @@ if triton is not None:
                         sqs += tl.load(WORK + SPLIT * PN + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
                 _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU,
-                        ADD_TO_OUT, BLOCK_N)
+                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8)
         else:
             _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
-                    BLOCK_N)
+                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8)

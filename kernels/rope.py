@@ -12,6 +12,8 @@ x * cos + roll(x, D/2) * sin.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import pdl
@@ -23,6 +25,19 @@ try:
     from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
     triton = None
+
+
+@dataclass
+class RopeTarget:
+    """Where one token's qkv projection puts its rows when rope and the KV store fold into its GEMV
+    (kernels/gemv.py, rope=): the token's rows of the rope tables, the layer's pool and the token's slot."""
+
+    cos: torch.Tensor  # [D]: the token's row of Rotary.lookup's cos
+    sin: torch.Tensor  # [D]: the same of its signed sin
+    kv: torch.Tensor  # [P, 2, page, Hkv, D], any strides (the pool's layer view)
+    page: torch.Tensor  # [1]
+    slot: torch.Tensor  # [1]
+    num_q_heads: int
 
 
 def apply_rope_ref(cos_sin, x: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,27 @@ def test_one_token_steps_with_norms_folded_into_the_projections_match_transforme
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["norms", "norms-folded"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_token_steps_with_rope_in_the_qkv_projection_match_transformers(family, fold, tiny_models,
+                                                                            monkeypatch):
+    """PDSERVE_FUSE_ROPE's path (kernels/gemv.py, rope=: rope and the KV store in the qkv GEMV), run here by
+    the Triton interpreter; families with q/k norms keep the separate rope."""
+    pytest.importorskip("triton")
+    from engine.model import CausalLM
+
+    monkeypatch.setattr(CausalLM, "fuse_rope", True)
+    monkeypatch.setattr(CausalLM, "fold_norms", fold)
+    path, hf = tiny_models[family]
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
+    seen = record_logits(engine)
+    (req,) = run(engine, [PROMPTS[0]], steps=6)
+    full = req.prompt_ids + req.output_ids
+    ref = hf_logits(hf, full)[len(req.prompt_ids) - 1: len(full) - 1]
+    assert rel_err(torch.stack(seen[req.rid]), ref) < 1e-4
+    assert_pool_clean(engine)
+
+
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama, tmp_path):
     import os
 

@@ -304,6 +304,53 @@ def test_gemv_with_glu_is_gate_up_proj_then_the_separate_activation(dtype):
         gemv(x, w, glu=True, residual=torch.zeros(1, 35, dtype=dtype))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (3, 1, 8)])  # (3, 1, 8): a partial last block
+@pytest.mark.parametrize("weights", ["float", "fp8", "fp8-split"])
+def test_gemv_with_rope_is_qkv_proj_then_rope_store(weights, heads, kv_heads, dim, layout):
+    """rope=: the projection's head rows pair d with d + D/2, and the finished pairs are rotated and stored as
+    rope_store does after the separate projection: q, and k and v in the token's pool slot, to the bit."""
+    from engine.model import Rotary
+    from kernels.fp8_linear import quantize_per_channel
+    from kernels.gemv import gemv
+    from kernels.rope import RopeTarget, rope_store
+
+    g = torch.Generator().manual_seed(11)
+    n, k = (heads + 2 * kv_heads) * dim, 64
+    w = torch.randn(n, k, generator=g) * 0.1
+    scale, launch = None, None
+    if weights != "float":
+        w, scale = quantize_per_channel(w)
+        launch = (16, 64, 4, 1, 2) if weights == "fp8-split" else None
+    else:
+        w = w.half()
+    x = torch.randn(1, k, generator=g).to(torch.float16 if weights == "float" else torch.float32)
+    bias = torch.randn(n, generator=g).to(x.dtype)
+    cfg = config(heads=heads, kv_heads=kv_heads, head_dim=dim)
+    cos, sin = Rotary(cfg).lookup(torch.tensor([1234]), x.dtype)
+    pages, slots = torch.tensor([5]), torch.tensor([7])
+    results = []
+    for fused in (False, True):
+        pool = KVPool(8, PAGE, 1, kv_heads, dim, x.dtype, "cpu", layout)
+        kv = pool.tokens_view(0)
+        counters = torch.zeros(n, dtype=torch.int32)
+        if fused:
+            q = gemv(x, w, scale, bias, launch=launch, counters=counters,
+                     rope=RopeTarget(cos[0, 0], sin[0, 0], kv, pages, slots, heads))
+        else:
+            qkv = gemv(x, w, scale, bias, launch=launch, counters=counters)
+            qk = qkv[:, : (heads + kv_heads) * dim].view(1, heads + kv_heads, dim)
+            v = qkv[:, (heads + kv_heads) * dim:].view(1, kv_heads, dim)
+            q = rope_store(qk, v, (cos, sin), kv, pages, slots, heads)
+        results.append((q, pool.data.clone()))
+        assert not counters.any()
+    (q_ref, pool_ref), (q_got, pool_got) = results
+    assert q_got.shape == (1, heads, dim) and torch.equal(q_got, q_ref)
+    assert pool_ref.abs().sum() > 0 and torch.equal(pool_got, pool_ref)
+    with pytest.raises(ValueError):
+        gemv(x, w[:-2], scale, rope=RopeTarget(cos[0, 0], sin[0, 0], kv, pages, slots, heads))  # rows != heads
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemv_folds_the_norm_before_and_the_residual_add_after(dtype):
     """norm=: the projection of rmsnorm(stream); residual=: stream += projection, in place, rounded as the

@@ -61,6 +61,14 @@ class AttentionStep(ABC):
     def attend(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q [N, Hq, D] -> [N, Hq, D], over each request's KV, the step's new tokens already stored."""
 
+    def rope_target(self, cos_sin, num_q_heads: int, layer_id: int):
+        """Where a one-token qkv GEMV puts its rotated q, k and v (kernels/gemv.py, rope=); attend(q) next."""
+        from kernels.rope import RopeTarget
+
+        cos, sin = cos_sin
+        return RopeTarget(cos[0, 0], sin[0, 0], self.pool.tokens_view(layer_id), self.x.out_pages,
+                          self.x.out_offsets, num_q_heads)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; stores k/v into the pool first."""
         self.pool.write(layer_id, self.write_index, k, v)
