@@ -626,22 +626,38 @@ def greedy_tokens(engine: Engine, ctx: int, n: int) -> list[int]:
     return req.output_ids
 
 
-# Batch-1 experiments, off by default until a GPU run shows they pay: environment variable -> what it does.
-EXPERIMENTS = {"PDSERVE_FOLD_NORMS": "norms folded into the GEMV",
-               "PDSERVE_FUSE_ROPE": "rope and the KV store in the qkv GEMV"}
+# Batch-1 variants of the default step: environment variable -> (its value, what that does). The fusions off
+# by default are timed on, those on by default off, so that each run shows what every choice is worth.
+EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
+               "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)")}
 
 
 def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int,
-                 experiments: dict[str, str] = EXPERIMENTS) -> None:
-    """The batch-1 step with each experiment on, against `engine`, the default: step time, and whether 32
-    greedy tokens agree with the default's."""
+                 experiments: dict[str, tuple[str, str]] = EXPERIMENTS, rounds: int = 3) -> None:
+    """The batch-1 step with each variant, against `engine`, the default: the median step time of `rounds`
+    measurements taken in turn with the default's (so that drift of the machine between them falls on
+    both), and whether 32 greedy tokens agree with the default's."""
     base = greedy_tokens(engine, ctx, 32)
-    for var, what in experiments.items():
-        name = f"{what} ({var}=1)"
-        os.environ[var] = "1"
+
+    def switch(var: str, value: str | None) -> None:
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+    for var, (value, what) in experiments.items():
+        name = f"{what} ({var}={value})"
+        t_var, t_def = [], [t_default]
         try:
+            switch(var, value)  # read when the engine captures its graphs, and by any eager step
             e = engine_for(model, engine.args.attention_backend, 8192, engine.pool.device, engine.pool.dtype)
-            t = decode_step_time(e, 1, ctx, steps)
+            for i in range(rounds):
+                switch(var, value)
+                t_var.append(decode_step_time(e, 1, ctx, steps))
+                switch(var, None)
+                if i:
+                    t_def.append(decode_step_time(engine, 1, ctx, steps))
+            switch(var, value)
             same = greedy_tokens(e, ctx, 32) == base
             del e
         except Exception as ex:  # an experiment must not take the rest of the suite down with it
@@ -649,10 +665,14 @@ def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list
             print(rows[-1], flush=True)
             continue
         finally:
-            os.environ.pop(var)
+            switch(var, None)
             gc.collect()
-        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms); 32 greedy tokens as the "
-                     f"default's: {same}", t * 1e3, t_default * 1e3, t_default / t, "(for comparison)"))
+        tv, td = statistics.median(t_var), statistics.median(t_def)
+        print(f"  {label} {var}={value}: step ms {[round(t * 1e3, 3) for t in t_var]}, default "
+              f"{[round(t * 1e3, 3) for t in t_def]}", flush=True)
+        rows.append((f"{label} batch-1 decode, {ctx} ctx, {name}: step ms (default ms), medians of {rounds} taken in "
+                     f"turn; 32 greedy tokens as the default's: {same}", tv * 1e3, td * 1e3, td / tv,
+                     "(for comparison)"))
         print(rows[-1], flush=True)
 
 
@@ -906,7 +926,7 @@ def main() -> None:
         rows.append((f"{bn} FP8 KV: tokens vs bf16 in the same memory (x)", cap, 2.0, cap / 2.0, "2x +-5%"))
         rows.append((f"{bn} FP8 KV: first-token logits vs bf16 KV (max rel err)", err, 5e-2, None, "< 5e-2"))
         print(rows[-2:], flush=True)
-    def batch1_row(engine, model, label, target):
+    def batch1_row(engine, model, label, target, steps=steps):
         """Batch-1 decode at ctx1 against the roofline (every weight + the context's KV once per step)."""
         print(f"  {label} batch-1 step phases: {step_phases(engine, 1, ctx1, steps)}", flush=True)
         t = decode_step_time(engine, 1, ctx1, steps)
@@ -1001,7 +1021,9 @@ def main() -> None:
         profile_step(e, 1, ctx1)
         del e
     e = engine_for(small, fast, 8192, device, dtype)
-    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60"), rows, ctx1, steps)
+    # A 0.5B step is under a millisecond: more of them, so that one slow host moment weighs less.
+    steps_small = steps if args.smoke else 200
+    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60", steps_small), rows, ctx1, steps_small)
     del e
     if device.type == "cuda":
         transfer_rows(rows)
