@@ -28,7 +28,7 @@ gathered in the K loop and applied to the finished rows; the normed token is nev
 way, so this is a little more exact than the separate norm kernel), and `residual=r`
 adds the projection to r in place (rounded to r's dtype, as the separate add is) and returns r.
 
-`rope=RopeTarget` (an experiment, PDSERVE_FUSE_ROPE=1) folds kernels/rope.py's rope_store into qkv_proj: the
+`rope=RopeTarget` (one-token steps, unless PDSERVE_FUSE_ROPE=0) folds kernels/rope.py's rope_store into qkv_proj: the
 rows of each head pair d with d + D/2, and the finished pairs are rotated and stored as rope_store stores
 them, q into the returned [1, Hq, D] and k, v into the token's pool slot. A layer then has no rope kernel.
 """
