@@ -24,7 +24,7 @@ class Env:
     @staticmethod
     def fold_norms() -> bool:
         """One-token decode steps on a GPU fold each RMSNorm and residual add into the neighbouring projections'
-        GEMV (PDSERVE_FOLD_NORMS=1). Off by default: on an H200 it made the 8B step 2-4 % slower, and the
+        GEMV (PDSERVE_FOLD_NORMS=1). Off by default: on an H200 it made the 8B step 1-5 % slower, and the
         0.5B step moved either way between runs (docs/benchmarks.md)."""
         return os.environ.get("PDSERVE_FOLD_NORMS", "0") == "1"
 
@@ -32,5 +32,5 @@ class Env:
     def fuse_rope() -> bool:
         """One-token decode steps on a GPU fold rope and the KV store into the qkv projection's GEMV
         (PDSERVE_FUSE_ROPE, default 1; 0 runs rope_store's kernel after the projection). On an H200 it took
-        0-4 % off the 8B bf16 step and 3-5 % off the FP8 one, with the same greedy tokens (docs/benchmarks.md)."""
+        0-5 % off the 8B bf16 step and 2-5 % off the FP8 one, with the same greedy tokens (docs/benchmarks.md)."""
         return os.environ.get("PDSERVE_FUSE_ROPE", "1") != "0"
