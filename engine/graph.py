@@ -12,12 +12,18 @@ Static layout for bucket b (rows past the real batch are padding):
     seq_lens            [b]           padding: 1
 The attention step is planned for `max_context` tokens, so contexts beyond it take the eager path.
 Only backends that plan without host synchronisation (triton) can be captured.
+
+The static buffers are views of two blocks, one int64 and one int32, with the page list last. A step fills
+their host mirror (pinned; two of them, used in turn, so that the host writes one while the copy of the other
+may still wait behind the step in flight) and moves it in one copy per block, rather than a copy per buffer:
+at batch 1 the host's work for a step is most of what a small model's step costs.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionInputs
@@ -39,18 +45,23 @@ class DecodeGraphs:
         self.max_context = max_context
         self.max_pages = -(-max_context // pool.page_size)
         dev = pool.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.ids = torch.zeros(max_bs, **i64)
-        self.positions = torch.zeros(max_bs, **i64)
-        self.out_pages = torch.zeros(max_bs, **i64)
-        self.out_offsets = torch.zeros(max_bs, **i64)
-        self.qo_indptr = torch.arange(max_bs + 1, **i32)
-        self.kv_indptr = torch.zeros(max_bs + 1, **i32)
-        self.kv_indices = torch.zeros(max_bs * self.max_pages, **i32)
-        self.last_len = torch.ones(max_bs, **i32)
-        self.seq_lens = torch.ones(max_bs, **i32)
-        self.prefix_lens = torch.zeros(max_bs, **i32)
+        mb = max_bs
+        self.longs = torch.zeros(6 * mb, dtype=torch.int64, device=dev)
+        self.ints = torch.zeros(5 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
+        (self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_at,
+         self.fill_from) = self.longs.split(mb)
+        (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens,
+         self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb * self.max_pages])
+        self._kv_at = 5 * mb + 2  # where the page list starts in the int32 block
+        pin = dev.type == "cuda"
+        self._mirrors = [(torch.zeros(6 * mb, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(self.ints.shape[0], dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        for _, h32 in self._mirrors:
+            h32[: mb + 1] = torch.arange(mb + 1, dtype=torch.int32)  # qo_indptr: one token per request
+        # The last copy out of each mirror, recorded again at each use.
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._turn = 0
+        self.qo_indptr.copy_(self._mirrors[0][1][: mb + 1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = None
@@ -98,24 +109,43 @@ class DecodeGraphs:
             self.seq_lens[n:b] = 1
             self.last_len[n:b] = 1
 
+    def stage(self, a, prev_tokens: torch.Tensor | None) -> int:
+        """Put a decode step's inputs (engine.runner.StepArrays) in the static buffers, padded to the bucket;
+        returns the bucket. Padding requests are token 0 at position 0, each owning one page, page 0 (the
+        reserved page; what lands there is unread), listed after the real pages."""
+        n, nnz, nfill = a.batch_size, len(a.kv_indices), len(a.fill_at)
+        b = next(s for s in sorted(self.graphs or buckets(self.max_bs)) if s >= n)
+        mb = self.max_bs
+        h64, h32 = self._mirrors[self._turn]
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()  # its last copy has run (long since, as a rule)
+        v64, v32 = h64.numpy(), h32.numpy()
+        for i, col in enumerate((a.ids, a.positions, a.out_pages, a.out_offsets)):
+            v64[i * mb: i * mb + n] = col
+            v64[i * mb + n: i * mb + b] = 0
+        v64[4 * mb: 4 * mb + nfill] = a.fill_at
+        v64[5 * mb: 5 * mb + nfill] = a.fill_from
+        v32[mb + 1: mb + 2 + n] = a.kv_indptr
+        v32[mb + 2 + n: mb + 2 + b] = np.arange(nnz + 1, nnz + b - n + 1, dtype=np.int32)
+        for i, (col, pad) in enumerate(((a.last_len, 1), (a.seq_lens, 1), (a.prefix_lens, 0))):
+            at = 2 * mb + 2 + i * mb
+            v32[at: at + n] = col
+            v32[at + n: at + b] = pad
+        v32[self._kv_at: self._kv_at + nnz] = a.kv_indices
+        v32[self._kv_at + nnz: self._kv_at + nnz + b - n] = 0
+        self.longs.copy_(h64, non_blocking=True)
+        end = self._kv_at + nnz + b - n
+        self.ints[:end].copy_(h32[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied[self._turn].record()
+        self._turn ^= 1
+        if nfill:
+            self.ids.index_copy_(0, self.fill_at[:nfill], prev_tokens.index_select(0, self.fill_from[:nfill]))
+        return b
+
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, x: AttentionInputs) -> torch.Tensor:
-        n = ids.shape[0]
-        b = next(s for s in sorted(self.graphs) if s >= n)
-        self.ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.out_pages[:n].copy_(x.out_pages)
-        self.out_offsets[:n].copy_(x.out_offsets)
-        self.seq_lens[:n].copy_(x.seq_lens)
-        self.last_len[:n].copy_(x.kv_last_page_len)
-        nnz = x.kv_indices.shape[0]
-        self.kv_indices[:nnz].copy_(x.kv_indices)
-        self.kv_indptr[: n + 1].copy_(x.kv_indptr)
-        if b > n:
-            self._pad(n, b)
-            # Each padding request owns one page: page 0, listed after the real pages.
-            self.kv_indices[nnz: nnz + b - n] = 0
-            self.kv_indptr[n + 1: b + 1] = torch.arange(nnz + 1, nnz + b - n + 1, dtype=torch.int32,
-                                                        device=self.kv_indptr.device)
+    def run(self, a, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Logits [batch, vocab] of a decode step (engine.runner.StepArrays)."""
+        b = self.stage(a, prev_tokens)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][: a.batch_size]

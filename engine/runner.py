@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -9,6 +11,36 @@ from engine.model import CausalLM
 from engine.sampler import SampleOutput, SamplingBatch, argmax_rows, sample
 from engine.scheduler import Chunk
 from kernels.attention import AttentionInputs
+
+
+@dataclass
+class StepArrays:
+    """A step's inputs on the host, before they are packed for the device (see AttentionInputs for the
+    layout). Rows of `ids` listed in `fill_at` hold 0: their token is row `fill_from` of the previous step's
+    sampled tokens, still on the device."""
+    ids: np.ndarray  # int64 [N]
+    positions: np.ndarray  # int64 [N]
+    out_pages: np.ndarray  # int64 [N]
+    out_offsets: np.ndarray  # int64 [N]
+    logit_rows: np.ndarray  # int64 [S], the rows whose logits are sampled
+    fill_at: np.ndarray  # int64 [F]
+    fill_from: np.ndarray  # int64 [F]
+    qo_indptr: np.ndarray  # int32 [B+1]
+    kv_indptr: np.ndarray  # int32 [B+1]
+    kv_indices: np.ndarray  # int32 [pages]
+    last_len: np.ndarray  # int32 [B]
+    seq_lens: np.ndarray  # int32 [B]
+    prefix_lens: np.ndarray  # int32 [B]
+    max_seq_len: int
+    max_extend_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_extend_len == 1
 
 
 class ModelRunner:
@@ -21,8 +53,12 @@ class ModelRunner:
         self.graphs = graphs  # DecodeGraphs, or None for eager only
 
     def prepare(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None):
-        """Flat device inputs for a step. A chunk that ends in a token still on the device (req.pending) takes
-        its id from `prev_tokens`, the previous step's sampled tokens, without a host round trip."""
+        """Flat device inputs for a step: (input ids, positions, AttentionInputs, logit rows)."""
+        return self.to_device(self.arrays(chunks), prev_tokens)
+
+    def arrays(self, chunks: list[Chunk]) -> StepArrays:
+        """The step's inputs on the host. A chunk that ends in a token still on the device (req.pending) takes
+        its id from the previous step's sampled tokens (fill_at / fill_from), without a host round trip."""
         ps = self.pool.page_size
         ids: list[int] = []
         positions, out_pages = [], []
@@ -53,19 +89,26 @@ class ModelRunner:
             if c.samples:
                 logit_rows.append(qo[-1] - 1)
         pos = np.concatenate(positions)
-        n, bsz, npages = len(ids), len(chunks), kv_ptr[-1]
+        i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+        i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+        return StepArrays(i64(ids), pos, np.concatenate(out_pages), pos % ps, i64(logit_rows), i64(fill_at),
+                          i64(fill_from), i32(qo), i32(kv_ptr), np.concatenate(kv_idx).astype(np.int32),
+                          i32(last_len), i32(seq_lens), i32(prefix_lens), max(seq_lens),
+                          max(c.length for c in chunks))
+
+    def to_device(self, a: StepArrays, prev_tokens: torch.Tensor | None = None):
+        """(input ids, positions, AttentionInputs, logit rows) on the device, for an eager step."""
+        n, bsz, npages, nlog, nfill = len(a.ids), a.batch_size, len(a.kv_indices), len(a.logit_rows), len(a.fill_at)
         # Two host-to-device copies per step (one per dtype) instead of one per array.
-        longs = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64), pos, np.concatenate(out_pages),
-                                                 pos % ps, np.asarray(logit_rows, dtype=np.int64),
-                                                 np.asarray(fill_at + fill_from, dtype=np.int64)]))
-        ints = torch.from_numpy(np.concatenate([np.asarray(qo, dtype=np.int32), np.asarray(kv_ptr, dtype=np.int32),
-                                                np.concatenate(kv_idx).astype(np.int32),
-                                                np.asarray(last_len + seq_lens + prefix_lens, dtype=np.int32)]))
+        longs = torch.from_numpy(np.concatenate([a.ids, a.positions, a.out_pages, a.out_offsets, a.logit_rows,
+                                                 a.fill_at, a.fill_from]))
+        ints = torch.from_numpy(np.concatenate([a.qo_indptr, a.kv_indptr, a.kv_indices, a.last_len, a.seq_lens,
+                                                a.prefix_lens]))
         longs = longs.to(self.device, non_blocking=True)
         ints = ints.to(self.device, non_blocking=True)
-        lo = np.cumsum([0, n, n, n, n, len(logit_rows), len(fill_at), len(fill_at)])
+        lo = np.cumsum([0, n, n, n, n, nlog, nfill, nfill])
         input_ids = longs[lo[0]:lo[1]]
-        if fill_at:
+        if nfill:
             if prev_tokens is None:
                 raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
             input_ids.index_copy_(0, longs[lo[5]:lo[6]], prev_tokens.index_select(0, longs[lo[6]:lo[7]]))
@@ -79,17 +122,20 @@ class ModelRunner:
             prefix_lens=ints[io[5]:io[6]],
             out_pages=longs[lo[2]:lo[3]],
             out_offsets=longs[lo[3]:lo[4]],
-            max_seq_len=max(seq_lens),
-            max_extend_len=max(c.length for c in chunks),
+            max_seq_len=a.max_seq_len,
+            max_extend_len=a.max_extend_len,
         )
         return input_ids, longs[lo[1]:lo[2]], attn, longs[lo[4]:lo[5]]
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
-        input_ids, positions, attn, logit_rows = self.prepare(chunks, prev_tokens)
-        if self.graphs is not None and attn.is_decode and self.graphs.can_run(len(chunks), attn.max_seq_len):
-            return self.graphs.run(input_ids, positions, attn)
+        a = self.arrays(chunks)
+        if self.graphs is not None and a.is_decode and self.graphs.can_run(a.batch_size, a.max_seq_len):
+            if len(a.fill_at) and prev_tokens is None:
+                raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
+            return self.graphs.run(a, prev_tokens)
+        input_ids, positions, attn, logit_rows = self.to_device(a, prev_tokens)
         step = self.backend.plan(attn)
         hidden = self.model(input_ids, positions, step)
         if logit_rows.numel() == 0:

@@ -1,0 +1,49 @@
+"""A decode graph's inputs: the step's arrays, padded to the graph's bucket, in static buffers that two
+host-to-device copies fill (engine/graph.py). No graph is captured on a CPU, but the forward a graph
+captures runs here over the same buffers, and it must give the eager step's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.graph import DecodeGraphs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_graph_buffers_hold_the_eager_step_padded_to_the_bucket(tiny_llama):
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    # The backend graphs capture, run by the Triton interpreter (it reads the page list through kv_indptr, so
+    # the graph's list can be longer than the step's).
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+    prompts = [[(7 * i + j * 13) % 400 + 5 for j in range(20 + 9 * i)] for i in range(3)]
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    while any(r.num_output < 2 for r in reqs):
+        engine.step()
+    runner = engine.runner
+    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
+    for _ in range(3):  # both host mirrors, in turn, and the first again
+        engine.step()  # leaves a step in flight: the next one's tokens come from its sampled tokens
+        prev = engine._inflight.out.tokens
+        chunks = engine.scheduler.schedule()
+        a = runner.arrays(chunks)
+        assert a.is_decode and len(a.fill_at) == 3, "every request's next token is still on the device"
+        with torch.inference_mode():
+            b = graphs.stage(a, prev)
+            ids, positions, attn, rows = runner.to_device(a, prev)
+            assert b == 4
+            n, nnz = 3, attn.kv_indices.numel()
+            assert torch.equal(graphs.ids[:n], ids) and torch.equal(graphs.positions[:n], positions)
+            assert torch.equal(graphs.seq_lens[:n], attn.seq_lens)
+            assert torch.equal(graphs.kv_indptr[: n + 1], attn.kv_indptr)
+            assert torch.equal(graphs.kv_indices[:nnz], attn.kv_indices)
+            # The padding request: token 0 at position 0, one token of context, in page 0 after the real pages.
+            assert graphs.ids[n] == 0 and graphs.positions[n] == 0 and graphs.seq_lens[n] == 1
+            assert graphs.kv_indptr[n + 1] == nnz + 1 and graphs.kv_indices[nnz] == 0
+            got = graphs._forward(b)[:n]
+            ref = engine.model.compute_logits(engine.model(ids, positions, runner.backend.plan(attn))[rows])
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        engine.sync()
