@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,13 +59,14 @@ class ModelRunner:
 
     def arrays(self, chunks: list[Chunk]) -> StepArrays:
         """The step's inputs on the host. A chunk that ends in a token still on the device (req.pending) takes
-        its id from the previous step's sampled tokens (fill_at / fill_from), without a host round trip."""
+        its id from the previous step's sampled tokens (fill_at / fill_from), without a host round trip.
+        Requests only add to lists and the arrays are made once for the batch: numpy calls per request took
+        0.37 ms a step at batch 64 (9 us at batch 1) on a 2-core CPU, against 0.11 ms (7 us) this way."""
         ps = self.pool.page_size
         ids: list[int] = []
-        positions, out_pages = [], []
-        qo, kv_ptr, kv_idx = [0], [0], []
-        seq_lens, prefix_lens, last_len, logit_rows = [], [], [], []
+        qo, kv_ptr, starts, seq_lens, last_len, logit_rows = [0], [0], [], [], [], []
         fill_at, fill_from = [], []
+        page_lists = []
         for c in chunks:
             r, s, e = c.req, c.start, c.start + c.length
             ids.extend(r.tokens[s:e])
@@ -76,25 +78,33 @@ class ModelRunner:
                 fill_from.append(r.pending_row)
                 ids.append(0)
             n_pages = -(-e // ps)
-            pages = np.asarray(r.pages[:n_pages], dtype=np.int64)
-            pos = np.arange(s, e, dtype=np.int64)
-            positions.append(pos)
-            out_pages.append(pages[pos // ps])
-            kv_idx.append(pages)
-            qo.append(qo[-1] + c.length)
+            page_lists.append(r.pages[:n_pages])
+            qo.append(len(ids))
             kv_ptr.append(kv_ptr[-1] + n_pages)
+            starts.append(s)
             seq_lens.append(e)
-            prefix_lens.append(s)
             last_len.append(e - (n_pages - 1) * ps)
             if c.samples:
-                logit_rows.append(qo[-1] - 1)
-        pos = np.concatenate(positions)
-        i64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-        i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
-        return StepArrays(i64(ids), pos, np.concatenate(out_pages), pos % ps, i64(logit_rows), i64(fill_at),
-                          i64(fill_from), i32(qo), i32(kv_ptr), np.concatenate(kv_idx).astype(np.int32),
-                          i32(last_len), i32(seq_lens), i32(prefix_lens), max(seq_lens),
-                          max(c.length for c in chunks))
+                logit_rows.append(len(ids) - 1)
+        b, n, nlog, nfill = len(chunks), len(ids), len(logit_rows), len(fill_at)
+        kv = np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int64, count=kv_ptr[-1])
+        if n == b:  # one token a request (decode): at the chunk's start, in the request's last page
+            longs = np.asarray(ids + starts + [p[-1] for p in page_lists] + [x % ps for x in starts] + logit_rows
+                               + fill_at + fill_from, dtype=np.int64)
+            ids_a, pos, out_pages, offsets = longs[:n], longs[n:2 * n], longs[2 * n:3 * n], longs[3 * n:4 * n]
+            rest, max_extend = longs[4 * n:], 1
+        else:  # token i of chunk c sits at position starts[c] + (i - qo[c])
+            extend = np.diff(qo)
+            row = np.repeat(np.arange(b), extend)
+            pos = np.asarray(starts, dtype=np.int64)[row] + np.arange(n) - np.asarray(qo[:-1], dtype=np.int64)[row]
+            out_pages = kv[np.asarray(kv_ptr[:-1], dtype=np.int64)[row] + pos // ps]
+            rest = np.asarray(ids + logit_rows + fill_at + fill_from, dtype=np.int64)
+            ids_a, rest, offsets, max_extend = rest[:n], rest[n:], pos % ps, int(extend.max())
+        # One conversion for the int32 columns; each field is a view of it.
+        ints = np.asarray(qo + kv_ptr + last_len + seq_lens + starts, dtype=np.int32)
+        return StepArrays(ids_a, pos, out_pages, offsets, rest[:nlog], rest[nlog:nlog + nfill], rest[nlog + nfill:],
+                          ints[:b + 1], ints[b + 1:2 * b + 2], kv.astype(np.int32), ints[2 * b + 2:3 * b + 2],
+                          ints[3 * b + 2:4 * b + 2], ints[4 * b + 2:], max(seq_lens), max_extend)
 
     def to_device(self, a: StepArrays, prev_tokens: torch.Tensor | None = None):
         """(input ids, positions, AttentionInputs, logit rows) on the device, for an eager step."""
