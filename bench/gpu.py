@@ -377,7 +377,8 @@ def cuda_ipc_row(tokens: int = 4096) -> tuple[float, float, bool]:
     for chunk in (2048, 4096, 8192, 16384):
         for warps in (4, 8, 16):
             pc.CHUNK, pc.WARPS = chunk, warps
-            k = timed(lambda: pc.copy_pages(pool.data, remote, src_t, dst_t), 10)
+            # Device time, in a graph as a send runs it: a launch's host time would blur 10 us differences.
+            k = in_graph(lambda: pc.copy_pages(pool.data, remote, src_t, dst_t), 10)
             print(f"  page copy into the mapped pool, chunk {chunk} warps {warps}: {k * 1e3:.3f} ms", flush=True)
             if best is None or k < best[0]:
                 best = (k, chunk, warps)
