@@ -664,6 +664,9 @@ def graph_vs_eager(model, backend: str, device, dtype, ctx: int, n: int = 32) ->
 # by default are timed on, those on by default off, so that each run shows what every choice is worth.
 EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
                "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)")}
+# Models as narrow as CausalLM.fold_max_width fold the norms by default: their variant unfolds them.
+NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own (the default folds them at this width)"),
+                      "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
 
 
 def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int,
@@ -1060,7 +1063,8 @@ def main() -> None:
     e = engine_for(small, fast, 8192, device, dtype)
     # A 0.5B step is under a millisecond: more of them, so that one slow host moment weighs less.
     steps_small = steps if args.smoke else 200
-    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60", steps_small), rows, ctx1, steps_small)
+    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60", steps_small), rows, ctx1, steps_small,
+                 NARROW_EXPERIMENTS if small.config.hidden_size <= small.fold_max_width else EXPERIMENTS)
     del e
     if device.type == "cuda":
         transfer_rows(rows)

@@ -107,6 +107,33 @@ def test_one_token_steps_with_norms_folded_into_the_projections_match_transforme
     assert_pool_clean(engine)
 
 
+def test_one_token_steps_fold_the_norms_by_default_only_in_narrow_models_with_16_bit_weights(tiny_llama,
+                                                                                            monkeypatch):
+    """PDSERVE_FOLD_NORMS unset: a GPU's one-token step folds the norms where the model is at most
+    CausalLM.fold_max_width wide and its projections are not FP8; the variable forces either way. Never on
+    a device without the Triton GEMV, nor for a batch."""
+    import engine.model as model_module
+    from kernels.fp8_linear import quantize_model
+
+    model = Engine(model_path=tiny_llama[0], max_total_tokens=256, page_size=16).model
+    token = torch.zeros(1, model.config.hidden_size)
+    monkeypatch.delenv("PDSERVE_FOLD_NORMS", raising=False)
+    assert not model.folds(token)  # the CPU has no Triton GEMV
+    monkeypatch.setattr(model_module, "gemv_available", lambda x: True)
+    assert model.config.hidden_size <= model.fold_max_width and model.folds(token)
+    assert not model.folds(torch.zeros(2, model.config.hidden_size))
+    monkeypatch.setenv("PDSERVE_FOLD_NORMS", "0")
+    assert not model.folds(token)
+    monkeypatch.setattr(model, "fold_max_width", model.config.hidden_size - 1)
+    monkeypatch.setenv("PDSERVE_FOLD_NORMS", "1")
+    assert model.folds(token)
+    monkeypatch.delenv("PDSERVE_FOLD_NORMS")
+    assert not model.folds(token)  # wider than the limit
+    monkeypatch.setattr(model, "fold_max_width", model.config.hidden_size)
+    quantize_model(model)
+    assert not model.folds(token)  # FP8 projections
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["norms", "norms-folded"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_token_steps_with_rope_in_the_qkv_projection_match_transformers(family, fold, tiny_models,
