@@ -37,7 +37,7 @@ SHARED_PER_SM = 228 * 1024
 def build(n: int, k: int, mode: str | None, fp8: bool):
     """The kernel config() picks for an [n, k] weight, compiled for sm_90, and its launch."""
     glu, rope = mode == "glu", mode == "rope"
-    bn, bk, warps, stages, split = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, glu=glu))
+    bn, bk, warps, stages, split, ahead = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, glu=glu))
     hq, hkv, dim = HEADS[n] if rope else (1, 1, 2)
     flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, GLU=glu, ADD_TO_OUT=False, PDL=True,
                  BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv, HALF=dim // 2, KV_FP8=False)
@@ -48,7 +48,7 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     fn = G._gemv_kernel
     if fp8:
         even = n % bn == 0 and k % (bk * split) == 0
-        flags |= dict(PTX=True, EVEN=even, SPLIT=split)
+        flags |= dict(PTX=True, EVEN=even, SPLIT=split, AHEAD=ahead)
         fn = G._gemv_e4m3_kernel
     sig = {name: "constexpr" if name in flags else types[name] for name in fn.arg_names}
     names = list(sig)
@@ -58,7 +58,7 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     src = ASTSource(fn=fn, signature=sig, constexprs=flags, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
                                                                                  num_stages=stages))
-    return compiled, (bn, bk, warps, stages, split)
+    return compiled, (bn, bk, warps, stages, split, ahead)
 
 
 def resources(compiled) -> tuple[int, int]:

@@ -227,10 +227,12 @@ def tune_gemv(device) -> None:
              (32, 512, 4, 2), (32, 512, 8, 2),
              # One tile per program where K allows: a program loads all its weights before its PDL wait.
              (2, 4096, 2, 1), (4, 4096, 4, 1), (8, 4096, 4, 1), (8, 4096, 8, 1), (16, 4096, 8, 1)]
-    # FP8 weights can also split K (the fifth number): tall programs, each over a slice of K.
+    # FP8 weights can also split K (the fifth number): tall programs, each over a slice of K ...
     split = [(16, 512, 4, 3, 2), (16, 512, 4, 3, 4), (32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 4, 3, 8),
              (32, 512, 4, 2, 4), (32, 512, 8, 2, 4), (64, 256, 8, 3, 4), (64, 256, 8, 3, 8), (32, 256, 4, 4, 4),
-             (8, 4096, 4, 1, 4), (16, 2048, 4, 1, 7), (16, 2048, 8, 1, 7), (8, 2048, 4, 1, 7), (32, 1024, 8, 1, 4)]
+             (8, 4096, 4, 1, 4), (16, 2048, 4, 1, 7), (16, 2048, 8, 1, 7), (8, 2048, 4, 1, 7), (32, 1024, 8, 1, 4),
+             # ... or keep two tiles in flight (the sixth).
+             (8, 1024, 4, 2, 1, 2), (16, 1024, 8, 2, 1, 2), (8, 512, 4, 2, 1, 2), (4, 1024, 4, 2, 1, 2)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, glu) in shapes.items():
         for dt in (torch.bfloat16, FP8):

@@ -14,7 +14,8 @@ each load the token once per row they own. The e4m3 kernel can split K instead (
 launch): tall programs that share each token load among many rows, each over a slice of K, write partial rows
 to a workspace; the last program of a row block to arrive (a counter per block, which it resets) adds the
 partials in split order and finishes the rows. The sum's order is fixed by the launch, not by which program
-arrives last, so results stay deterministic.
+arrives last, so results stay deterministic. Or it keeps two weight tiles in flight (the sixth number): with
+about four programs per SM, one 8 KB tile each leaves the memory idle between tiles.
 
 `glu=True` is gate_up_proj and its activation in one launch: W's rows are the gate half and then the up half,
 each program takes matching rows of both (gate and up alternating), and the output is silu(gate) * up, [1, N/2],
@@ -88,14 +89,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         rope_flags = dict(ROPE=False, HQ=1, HKV=1, HALF=1, KV_FP8=False)
     e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
     if x.is_cuda:
-        bn, bk, warps, stages, split = launch_of(launch or config(n, k, x.device, w.element_size(), norm is not None,
-                                                                   glu))
+        bn, bk, warps, stages, split, ahead = launch_of(launch or config(n, k, x.device, w.element_size(),
+                                                                          norm is not None, glu))
     else:  # the interpreter (tests): small tiles, and the split of `launch` if one is given
-        bn, bk, warps, stages, split = 16, 64, 4, 1, launch_of(launch)[4] if launch else 1
-    if split > 1 and not e4m3:
+        bn, bk, warps, stages = 16, 64, 4, 1
+        split, ahead = launch_of(launch)[4:] if launch else (1, 1)
+    if (split > 1 or ahead > 1) and not e4m3:
         if launch:
-            raise ValueError(f"gemv: only e4m3 weights with K % 4 == 0 split K (w {w.dtype}, K {k})")
-        split = 1  # config()'s choice for words, which these weights cannot be read as
+            raise ValueError(f"gemv: only e4m3 weights with K % 4 == 0 split K or load two tiles ahead "
+                             f"(w {w.dtype}, K {k})")
+        split = ahead = 1  # config()'s choice for words, which these weights cannot be read as
     blocks = triton.cdiv(n, bn)
     norm_w, eps = norm if norm is not None else (w, 0.0)
     args = (x, w, scale if scale is not None else w, bias if bias is not None else w, norm_w, out, n, k,
@@ -120,13 +123,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         counters = work = w
     args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, eps, *rope_args, work, counters)
     even = n % bn == 0 and k % (bk * split) == 0  # (paired rows: n/2 pairs in programs of bn/2)
-    _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split)
+    _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split, AHEAD=ahead)
     return out
 
 
-def launch_of(launch: tuple) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages, split): a launch of four numbers does not split K."""
-    return tuple(launch) + (1,) * (5 - len(launch))
+def launch_of(launch: tuple) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, split, ahead): a launch of four numbers does not split K, and one of
+    five keeps one weight tile in flight."""
+    return tuple(launch) + (1,) * (6 - len(launch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +150,9 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bo
             return 16, 512, 4, 3
         if k >= 4096 and n > k:  # 8B qkv: K split in four, 0.63-0.66 against 0.49-0.65 unsplit (runs R)
             return 32, 256, 4, 3, 4
-        # 0.5B down 0.24-0.25; 8B o 0.54-0.57, down 0.71-0.73 (S1-S3)
+        if k >= 4096:  # 8B o, down, two tiles in flight: 0.61-0.63, 0.80-0.81 against 0.57, 0.73 (Y2, Y4)
+            return 8, 1024, 4, 2, 1, 2
+        # 0.5B down 0.24-0.25 (S1-S3)
         return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)
     if k >= 4096 and n >= 4 * k and glu and not norm:  # gate_up + SiLU: 0.95-0.96 against 0.92-0.93 (S2, S3)
         return 8, 1024, 4, 2
@@ -340,13 +346,15 @@ if triton is not None:
                           GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                          KV_FP8: tl.constexpr):
+                          KV_FP8: tl.constexpr, AHEAD: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
         weight besides its multiply-add, which bound the kernel by instruction issue below the copy ceiling.
         SPLIT > 1: program (i, s) takes the s-th of SPLIT slices of K (see the module's docstring); WORK holds
-        SPLIT partial rows of every program's BLOCK_N and then SPLIT partial sums of squares, COUNTERS one count per row block."""
+        SPLIT partial rows of every program's BLOCK_N and then SPLIT partial sums of squares, COUNTERS one count per row block.
+        AHEAD: weight tiles requested before the one in hand is multiplied (1 or 2). A projection of few rows
+        per SM (o_proj, down_proj) has too few programs to keep the memory busy with one tile each."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         rn = _rows(pid, N, BLOCK_N, GLU, ROPE, HALF)
@@ -363,24 +371,37 @@ if triton is not None:
             w = tl.load(rows + lo + rj[None, :])
         else:
             w = tl.load(rows + lo + rj[None, :], mask=(rn[:, None] < N) & (lo + rj[None, :] < hi), other=0)
+        if AHEAD == 2:  # the second tile too is loaded before the wait
+            nj = lo + WORDS + rj
+            w1 = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         sq = tl.zeros([WORDS], dtype=tl.float32)
-        # Each iteration loads the next tile before it multiplies the one in hand; the last tile is multiplied
-        # after the loop, so no load goes past the slice (programs of one or two tiles would waste a tile).
-        last = lo + tl.maximum(hi - lo - 1, 0) // WORDS * WORDS
-        for j0 in range(lo, last, WORDS):
-            nj = j0 + WORDS + rj
-            if EVEN:
-                w_next = tl.load(rows + nj[None, :])
-            else:
-                w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
-            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, NORM, PTX)
-            w = w_next
-        if lo < hi:
-            acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (last + rj), K, NORM, PTX)
+        if AHEAD == 2:
+            # Loads past the slice are masked off: they move no data.
+            for j0 in range(lo, hi, WORDS):
+                nj = j0 + 2 * WORDS + rj
+                w2 = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
+                acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, NORM, PTX)
+                w = w1
+                w1 = w2
+        else:
+            # Each iteration loads the next tile before it multiplies the one in hand; the last tile is
+            # multiplied after the loop, so no load goes past the slice (programs of one or two tiles would
+            # waste a tile).
+            last = lo + tl.maximum(hi - lo - 1, 0) // WORDS * WORDS
+            for j0 in range(lo, last, WORDS):
+                nj = j0 + WORDS + rj
+                if EVEN:
+                    w_next = tl.load(rows + nj[None, :])
+                else:
+                    w_next = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
+                acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (j0 + rj), K, NORM, PTX)
+                w = w_next
+            if lo < hi:
+                acc, sq = _e4m3_tile(acc, sq, w, X, NW, 4 * (last + rj), K, NORM, PTX)
         y = tl.sum(acc, axis=1)
         sqs = tl.sum(sq, axis=0)
         if SPLIT > 1:

@@ -224,10 +224,12 @@ def test_gemv_matches_a_matmul(dtype, scaled):
     assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("n, k", [(64, 256), (70, 300), (70, 302)])
-def test_gemv_of_e4m3_weights_in_every_mode(n, k):
+def test_gemv_of_e4m3_weights_in_every_mode(n, k, ahead):
     """FP8 weights go four to a word when K allows (whole tiles, or partial ones with masks), else byte by byte:
-    the same products as the dequantized weights in every mode, the norm and residual folds included."""
+    the same products as the dequantized weights in every mode, the norm and residual folds included, with one
+    weight tile in flight or two (the loads past K masked off)."""
     from kernels.fp8_linear import quantize_per_channel
     from kernels.fused import add_rms_norm, silu_and_mul
     from kernels.gemv import gemv
@@ -237,14 +239,20 @@ def test_gemv_of_e4m3_weights_in_every_mode(n, k):
     deq = q.float() * scale[:, None]
     x = torch.randn(1, k, generator=g)
     bias = torch.randn(n, generator=g)
-    assert close(gemv(x, q, scale, bias), x @ deq.t() + bias, 1e-5)
-    assert close(gemv(x, q, scale, bias, glu=True), silu_and_mul(x @ deq.t() + bias, fused=False), 1e-5)
+    launch = (16, 64, 4, 1, 1, ahead)  # the interpreter's tiles: K = 256 is four of them
+    if k % 4 and ahead > 1:  # read byte by byte: no tiles of words to load ahead
+        with pytest.raises(ValueError):
+            gemv(x, q, scale, launch=launch)
+        return
+    assert close(gemv(x, q, scale, bias, launch=launch), x @ deq.t() + bias, 1e-5)
+    assert close(gemv(x, q, scale, bias, glu=True, launch=launch), silu_and_mul(x @ deq.t() + bias, fused=False),
+                 1e-5)
     norm_w = torch.rand(k, generator=g) + 0.5
     normed, _ = add_rms_norm(x, None, norm_w, 1e-6, fused=False)
-    assert close(gemv(x, q, scale, norm=(norm_w, 1e-6)), normed @ deq.t(), 1e-5)
+    assert close(gemv(x, q, scale, norm=(norm_w, 1e-6), launch=launch), normed @ deq.t(), 1e-5)
     r = torch.randn(1, n, generator=g)
     expect = r + x @ deq.t()
-    assert gemv(x, q, scale, residual=r) is r and close(r, expect, 1e-5)
+    assert gemv(x, q, scale, residual=r, launch=launch) is r and close(r, expect, 1e-5)
 
 
 @pytest.mark.parametrize("n, k, split", [(64, 512, 2), (64, 512, 4), (70, 300, 3), (48, 256, 8)])
