@@ -94,6 +94,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     else:  # the interpreter (tests): small tiles, and the split of `launch` if one is given
         bn, bk, warps, stages = 16, 64, 4, 1
         split, ahead = launch_of(launch)[4:] if launch else (1, 1)
+    if ahead not in (1, 2):
+        raise ValueError(f"gemv: one or two weight tiles in flight, not {ahead}")
     if (split > 1 or ahead > 1) and not e4m3:
         if launch:
             raise ValueError(f"gemv: only e4m3 weights with K % 4 == 0 split K or load two tiles ahead "

@@ -244,6 +244,8 @@ def test_gemv_of_e4m3_weights_in_every_mode(n, k, ahead):
         with pytest.raises(ValueError):
             gemv(x, q, scale, launch=launch)
         return
+    with pytest.raises(ValueError):
+        gemv(x, q, scale, launch=(16, 64, 4, 1, 1, 3))
     assert close(gemv(x, q, scale, bias, launch=launch), x @ deq.t() + bias, 1e-5)
     assert close(gemv(x, q, scale, bias, glu=True, launch=launch), silu_and_mul(x @ deq.t() + bias, fused=False),
                  1e-5)
