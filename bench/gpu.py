@@ -73,12 +73,12 @@ def build(cfg: dict, device, dtype) -> CausalLM:
 
 
 def engine_for(model, backend: str, tokens: int | None, device, dtype, chunk=8192, graphs=True,
-               kv="auto", mem_fraction=None, quantization=None, layout="NHD") -> Engine:
+               kv="auto", mem_fraction=None, quantization=None, layout="NHD", lm_head=False) -> Engine:
     args = EngineArgs(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=backend,
                       max_total_tokens=tokens, chunked_prefill_size=chunk, max_running_requests=256,
                       disable_radix_cache=True, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
                       kv_cache_dtype=kv, mem_fraction_static=mem_fraction,
-                      quantization=quantization, kv_layout=layout)
+                      quantization=quantization, quantize_lm_head=lm_head, kv_layout=layout)
     return Engine(args, model=model)
 
 
@@ -210,9 +210,10 @@ def in_graph(fn, n: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (5 * n)
 
 
-def tune_gemv(device) -> None:
-    """The one-token GEMV's launch configurations on the 8B and 0.5B projection shapes, bf16 and FP8, timed
-    inside a CUDA graph over enough distinct weight copies (>= 256 MB) that nothing is served from L2."""
+def tune_gemv(device, only: str = "") -> None:
+    """The one-token GEMV's launch configurations on the 8B and 0.5B projection shapes (those whose name
+    contains `only`), bf16 and FP8, timed inside a CUDA graph over enough distinct weight copies (>= 256 MB)
+    that nothing is served from L2."""
     from kernels.fp8_linear import FP8
     from kernels.fused import silu_and_mul
     from kernels.gemv import config, gemv, launch_of
@@ -220,7 +221,8 @@ def tune_gemv(device) -> None:
     # gate_up with its activation (glu), as the model runs it.
     shapes = {"8B qkv": (6144, 4096, False), "8B o": (4096, 4096, False), "8B gate_up": (28672, 4096, True),
               "8B down": (4096, 14336, False), "0.5B qkv": (1152, 896, False), "0.5B o": (896, 896, False),
-              "0.5B gate_up": (9728, 896, True), "0.5B down": (896, 4864, False)}
+              "0.5B gate_up": (9728, 896, True), "0.5B down": (896, 4864, False),
+              "8B lm_head": (128256, 4096, False)}
 
     whole = [(2, 2048, 2, 2), (4, 1024, 2, 2), (4, 2048, 4, 2), (8, 512, 2, 3), (8, 1024, 4, 2),
              (16, 512, 2, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 2, 2), (32, 256, 4, 3),
@@ -235,6 +237,8 @@ def tune_gemv(device) -> None:
              (8, 1024, 4, 2, 1, 2), (16, 1024, 8, 2, 1, 2), (8, 512, 4, 2, 1, 2), (4, 1024, 4, 2, 1, 2)]
     bw = ceilings(device, False)["copy_bw"]
     for name, (n, k, glu) in shapes.items():
+        if only not in name:
+            continue
         for dt in (torch.bfloat16, FP8):
             launches = whole + (split if dt == FP8 else [])
             counters = torch.zeros(n, dtype=torch.int32, device=device)
@@ -284,13 +288,12 @@ def linear_diagnostics(model: CausalLM, copy_bw: float) -> None:
         line = (f"  linear {name}{' + SiLU' if glu else ''} {tuple(w.shape)}: cuBLAS bf16 {t * 1e6:.1f} us = "
                 f"{w.numel() * 2 / t / copy_bw:.2f} of ceiling; triton bf16 {tg * 1e6:.1f} us = "
                 f"{w.numel() * 2 / tg / copy_bw:.2f}")
-        if name != "lm_head":
-            q, scale = quantize_per_channel(w)
-            counters = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)  # for a split K
-            t8 = in_graph(lambda: gemv(x, q, scale, glu=glu, counters=counters))
-            line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
-                     f"(BLOCK_N, BLOCK_K, warps, stages {config(*q.shape, q.device, 1, glu=glu)})")
-            del q
+        q, scale = quantize_per_channel(w)
+        counters = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)  # for a split K
+        t8 = in_graph(lambda: gemv(x, q, scale, glu=glu, counters=counters))
+        line += (f"; fp8 {t8 * 1e6:.1f} us = {w.numel() / t8 / copy_bw:.2f} of ceiling, {t / t8:.2f}x cuBLAS "
+                 f"(BLOCK_N, BLOCK_K, warps, stages {config(*q.shape, q.device, 1, glu=glu)})")
+        q = None  # frees it before the next shape
         print(line, flush=True)
 
 
@@ -385,6 +388,13 @@ def cuda_ipc_row(tokens: int = 4096) -> tuple[float, float, bool]:
             if best is None or k < best[0]:
                 best = (k, chunk, warps)
     pc.CHUNK, pc.WARPS = default  # the sends below run as a worker runs them
+    # The same kernel into a second pool of this process: what the IPC mapping itself costs, if anything.
+    local = torch.empty_like(pool.data)
+    k_local = in_graph(lambda: pc.copy_pages(pool.data, local, src_t, dst_t), 10)
+    k_remote = in_graph(lambda: pc.copy_pages(pool.data, remote, src_t, dst_t), 10)
+    print(f"  page copy, default setting: into a pool of this process {k_local * 1e3:.3f} ms, into the mapped "
+          f"pool {k_remote * 1e3:.3f} ms", flush=True)
+    local = None  # noqa: F841 (frees the 2 GB before the sends)
     times, device_times = [], []
     for i in range(rounds):
         sync()
@@ -665,10 +675,13 @@ def graph_vs_eager(model, backend: str, device, dtype, ctx: int, n: int = 32) ->
 # Batch-1 variants of the default step: environment variable -> (its value, what that does). The fusions off
 # by default are timed on, those on by default off, so that each run shows what every choice is worth.
 EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
-               "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)")}
+               "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)"),
+               "PDSERVE_MERGE_IN_SPLIT": ("0", "attention's KV splits merged by a kernel of their own (the default "
+                                               "merges them in the split kernel)")}
 # Models as narrow as CausalLM.fold_max_width fold the norms by default: their variant unfolds them.
 NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own (the default folds them at this width)"),
-                      "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
+                      "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"],
+                      "PDSERVE_MERGE_IN_SPLIT": EXPERIMENTS["PDSERVE_MERGE_IN_SPLIT"]}
 
 
 def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int,
@@ -902,7 +915,8 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
     ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
-    ap.add_argument("--tune-gemv", action="store_true", help="time the one-token GEMV's launch configurations")
+    ap.add_argument("--tune-gemv", nargs="?", const="", default=None, metavar="SHAPE",
+                    help="time the one-token GEMV's launch configurations (on the shapes whose name contains SHAPE)")
     ap.add_argument("--pd-tokenizer", default=None,
                     help="a directory with tokenizer.json: also run the 1P1D service rows (bench/pd.py)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -920,8 +934,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.tune_decode:
         return tune_decode(device, dtype, args.smoke)
-    if args.tune_gemv:
-        return tune_gemv(device)
+    if args.tune_gemv is not None:
+        return tune_gemv(device, args.tune_gemv)
     if args.diagnose:
         return diagnose(device, dtype)
     if args.profile_host:
@@ -1052,6 +1066,21 @@ def main() -> None:
         print(rows[-1], flush=True)
         # The model's linears are FP8 now, so the experiment's engine runs FP8 too.
         variant_rows(e, big, f"{bn} FP8", t_fp8, rows, ctx1, steps)
+        tokens = greedy_tokens(e, ctx1, 32)
+        del e
+        # The LM head in FP8 as well (opt-in: --quantize-lm-head).
+        e = None
+        try:
+            e = engine_for(big, fast, 8192, device, dtype, quantization="fp8", lm_head=True)
+            t_head = statistics.median(decode_step_time(e, 1, ctx1, steps) for _ in range(3))
+            ours = greedy_tokens(e, ctx1, 32)
+            same = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), len(tokens))
+            rows.append((f"{bn} FP8 weights and LM head (--quantize-lm-head), batch-1 decode, {ctx1} ctx: step "
+                         f"ms (bf16 ms), median of 3; greedy tokens as with the bf16 head: the first {same} of 32",
+                         t_head * 1e3, t_bf16 * 1e3, t_bf16 / t_head, ">= 1.6x"))
+        except Exception as ex:  # the rows after this one still run
+            rows.append((f"{bn} FP8 weights and LM head", None, None, None, f"failed: {ex!r:.120}"))
+        print(rows[-1], flush=True)
         del e
     del big
     if device.type == "cuda":

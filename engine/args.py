@@ -44,6 +44,9 @@ class EngineArgs:
     # "fp8": quantize the decoder's weights to FP8 on load (per output channel; activations per token).
     # Refused for checkpoints that are quantized already.
     quantization: str | None = None
+    # With quantization "fp8", the LM head too (a tied one gets an FP8 copy of the embedding table). Off by
+    # default, as in the serving engines it is measured against: the head's rounding moves every logit.
+    quantize_lm_head: bool = False
     # Turn off prefix caching (pages are freed as soon as their request ends).
     disable_radix_cache: bool = False
     # Seed for requests that bring none.
@@ -80,6 +83,8 @@ class EngineArgs:
             raise ValueError("tensor parallelism needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs a quantization (--quantization fp8)")
         if self.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {self.kv_layout!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -157,6 +162,7 @@ class EngineArgs:
         p.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
         p.add_argument("--disable-radix-cache", action="store_true")
         p.add_argument("--quantization", default=None, choices=["fp8"])
+        p.add_argument("--quantize-lm-head", action="store_true")
         p.add_argument("--random-seed", type=int, default=None)
         p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         p.add_argument("--tp-rank", type=int, default=0)

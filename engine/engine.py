@@ -66,7 +66,7 @@ class Engine:
         if args.quantization == "fp8":
             from kernels.fp8_linear import quantize_model
 
-            quantize_model(self.model)
+            quantize_model(self.model, lm_head=args.quantize_lm_head)
         self.config: ModelConfig = self.model.config
         self.pool = self._make_pool()
         self.max_model_len = min(args.context_length or self.config.max_position_embeddings,

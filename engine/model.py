@@ -252,8 +252,9 @@ class CausalLM(nn.Module):
         return self.tp.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        # A tied head is the embedding table, unless quantization gave it an FP8 copy of its own.
+        head = getattr(self, "lm_head", None)
+        logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
         if self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits

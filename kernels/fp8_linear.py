@@ -63,11 +63,12 @@ class Fp8Linear(nn.Module):
         return silu_and_mul(y) if glu else y
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
+        if x.is_cuda and x.shape[0] <= SMALL_M and triton is not None:
+            return fp8_weight_matmul(x, self.weight_t.t(), self.scale.view(-1), self.bias)
+        # _scaled_mm wants both sizes a multiple of 16 (a vocabulary may not be): those widen the weights.
+        if not x.is_cuda or self.out_features % 16 or self.in_features % 16:
             w = self.weight_t.t().to(x.dtype) * self.scale.t().to(x.dtype)
             return F.linear(x, w, self.bias)
-        if x.shape[0] <= SMALL_M and triton is not None:
-            return fp8_weight_matmul(x, self.weight_t.t(), self.scale.view(-1), self.bias)
         amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
         x_scale = amax / FP8_MAX
         xq = (x / x_scale.to(x.dtype)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -126,8 +127,10 @@ if triton is not None:
 
 
 
-def quantize_model(model: nn.Module) -> int:
-    """Swap every linear of the decoder layers (not the LM head) for an Fp8Linear; returns how many."""
+def quantize_model(model: nn.Module, lm_head: bool = False) -> int:
+    """Swap every linear of the decoder layers for an Fp8Linear; returns how many. The LM head too with
+    `lm_head`: 7 % of what the 8B bf16 step reads, 13 % of what its FP8 step reads. A head
+    tied to the embedding table gets an FP8 copy of the table (the lookup keeps the original)."""
     count = 0
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
@@ -135,4 +138,12 @@ def quantize_model(model: nn.Module) -> int:
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, Fp8Linear(child))
                     count += 1
+    if lm_head:
+        head = getattr(model, "lm_head", None)
+        if head is None:  # tied
+            head = nn.Linear(model.embed_tokens.weight.shape[1], model.embed_tokens.weight.shape[0], bias=False,
+                             device="meta")
+            head.weight = model.embed_tokens.weight
+        model.lm_head = Fp8Linear(head)
+        count += 1
     return count

@@ -228,6 +228,34 @@ def test_fp8_kv_cache_doubles_capacity_and_stays_close(tiny_llama):
     assert rel_err(logits["fp8_e4m3"], logits["bfloat16"]) < 5e-2
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # an LM head of its own; one tied to the embeddings
+def test_fp8_lm_head_is_opt_in_and_stays_close(tiny_models, family):
+    import torch
+
+    from conftest import rel_err
+    from engine.args import EngineArgs
+    from kernels.fp8_linear import Fp8Linear
+    from test_models import PROMPTS, record_logits
+
+    path, hf = tiny_models[family]
+    assert hf.config.tie_word_embeddings == (family == "qwen2")
+    logits = {}
+    for head in (False, True):
+        engine = Engine(model_path=path, max_total_tokens=2048, quantization="fp8", quantize_lm_head=head)
+        assert isinstance(getattr(engine.model, "lm_head", None), Fp8Linear) == head
+        seen = record_logits(engine)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=1), rid=str(i))
+        drain(engine)
+        logits[head] = torch.cat([seen[str(i)][0][None] for i in range(len(PROMPTS))])
+    # The lookup still reads the embedding table as it was.
+    assert engine.model.embed_tokens.weight.dtype != torch.float8_e4m3fn
+    assert rel_err(logits[True], logits[False]) < 0.1
+    assert not torch.equal(logits[True], logits[False])
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        EngineArgs(quantize_lm_head=True)
+
+
 def test_fp8_weights_stay_close_and_quantized_checkpoints_are_refused(tiny_llama, tmp_path):
     import json
     import shutil
