@@ -675,13 +675,10 @@ def graph_vs_eager(model, backend: str, device, dtype, ctx: int, n: int = 32) ->
 # Batch-1 variants of the default step: environment variable -> (its value, what that does). The fusions off
 # by default are timed on, those on by default off, so that each run shows what every choice is worth.
 EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
-               "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)"),
-               "PDSERVE_MERGE_IN_SPLIT": ("0", "attention's KV splits merged by a kernel of their own (the default "
-                                               "merges them in the split kernel)")}
+               "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)")}
 # Models as narrow as CausalLM.fold_max_width fold the norms by default: their variant unfolds them.
 NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own (the default folds them at this width)"),
-                      "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"],
-                      "PDSERVE_MERGE_IN_SPLIT": EXPERIMENTS["PDSERVE_MERGE_IN_SPLIT"]}
+                      "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
 
 
 def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list, ctx: int, steps: int,

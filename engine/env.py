@@ -22,12 +22,6 @@ class Env:
         return os.environ.get("PDSERVE_PDL", "1") != "0"
 
     @staticmethod
-    def merge_in_split() -> bool:
-        """Decode attention for few requests merges its KV splits in the split kernel, the last split of each
-        (request, KV head) doing it, rather than in a kernel of its own (PDSERVE_MERGE_IN_SPLIT, default 1)."""
-        return os.environ.get("PDSERVE_MERGE_IN_SPLIT", "1") != "0"
-
-    @staticmethod
     def fold_norms() -> bool | None:
         """One-token decode steps on a GPU fold each RMSNorm and residual add into the neighbouring projections'
         GEMV (PDSERVE_FOLD_NORMS=1 always, 0 never). Unset: the model decides by its width (CausalLM.folds).

@@ -66,14 +66,12 @@ def close(a, b, tol):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
                          ids=["gqa4", "mha", "window"])
-@pytest.mark.parametrize("regime", ["few-requests", "few-requests-merge-kernel", "many-requests"])
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
 def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
 
     if regime == "many-requests":  # the launch settings of large batches (TritonBackend.decode_large)
         monkeypatch.setattr(TritonBackend, "target_programs", 1)
-    # Few requests merge their splits in the split kernel by default; the separate merge kernel remains.
-    monkeypatch.setattr(TritonBackend, "merge_in_split", regime != "few-requests-merge-kernel")
     # Contexts from a few tokens (most splits empty) to several hundred (every split busy).
     prefix = [600, 5, 300, 17]
     outs = run(cfg, prefix, [1] * len(prefix), layout=layout)
@@ -107,24 +105,6 @@ def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, wind
     step = create_backend("triton", pool, cfg).plan(dataclasses.replace(x, max_seq_len=131072))
     assert step.splits > 8
     assert close(step.attend(q, 0), ref, 1e-4)
-
-
-def test_merge_in_split_leaves_its_tickets_at_zero_for_the_next_layer():
-    """Each (request, KV head) counts its finished splits on a ticket; the last one merges and resets it, so
-    that the next layer's launch (and the next replay of a graph) starts from zero."""
-    cfg = config()
-    pool = KVPool(96, PAGE, 2, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu", "NHD")
-    pool.data.normal_()
-    x = batch(pool, [600, 5, 300, 17], [1, 1, 1, 1], torch.Generator().manual_seed(5))
-    q = torch.randn(4, cfg.num_attention_heads, cfg.head_dim)
-    backend = create_backend("triton", pool, cfg)
-    backend.merge_in_split = True
-    step = backend.plan(x)
-    assert step.merge_in_split and step.splits > 1
-    ref = create_backend("torch", pool, cfg).plan(x)
-    for layer in (0, 1, 0):
-        assert close(step.attend(q, layer), ref.attend(q, layer), 1e-4)
-        assert not backend.tickets.any()
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

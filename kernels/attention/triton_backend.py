@@ -4,8 +4,7 @@ Both read K/V straight from the pool through the page table, so nothing is gathe
 
 Decode, for request b and KV head h (GQA: the G query heads sharing h are one tile, so K/V is read once per
 group), split s of the KV range:   scores = q[G, D] . K[t, D] for t in the split, online softmax, partial
-output and log-sum-exp, merged over the splits by a second kernel or, for few requests, by the last split of
-each (request, KV head) to finish. Splits give long contexts enough parallelism.
+output and log-sum-exp; a second kernel merges the splits. Splits give long contexts enough parallelism.
 
 Prefill, for request b, query head h, a block of BLOCK_M new tokens at positions prefix+i: flash attention
 over KV positions 0 .. min(prefix+i, seq_len-1), sliding window honoured.
@@ -19,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.env import Env
 from kernels import pdl
 from kernels.attention.base import AttentionBackend, AttentionInputs, AttentionStep
 from kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -27,16 +25,15 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KV, indptr, indices, seq_lens, O_part, LSE_part, Out, Tickets,
+    Q, KV, indptr, indices, seq_lens, O_part, LSE_part,
     stride_qb, stride_qh,
     stride_kp, stride_kkv, stride_ks, stride_kh,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    stride_b, stride_h,
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,44 +95,6 @@ def _decode_split_kernel(
         tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out,
                  mask=omask)
         tl.store(LSE_part + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
-        if MERGE:
-            # The request's last split to finish merges them all, saving the merge kernel's launch and the
-            # wait for this grid to drain. Every thread's partial stores are made visible at the GPU scope
-            # before the ticket is taken, and the merging program reads them from L2.
-            if FENCE:
-                _fence_gpu(lse)
-            tl.debug_barrier()
-            used = tl.cdiv(seq_len - lo, chunk)
-            ticket = tl.atomic_add(Tickets + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-            if ticket == used - 1:
-                tl.store(Tickets + b * tl.num_programs(1) + kvh, 0)  # for the next launch: all have counted
-                _merge_group(O_part, LSE_part, Out, b, kvh, used, stride_ob, stride_oh, stride_os, stride_lb,
-                             stride_lh, stride_b, stride_h, G, BLOCK_S, D, BLOCK_D)
-
-
-@triton.jit
-def _fence_gpu(x):
-    """fence.acq_rel.gpu in every thread (the value is passed through, to give the asm an operand)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_group(O_part, LSE_part, Out, b, kvh, used, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                 stride_b, stride_h, G: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    for gi in tl.static_range(G):
-        h = kvh * G + gi
-        lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + s, mask=s < used, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.exp(lse - tl.max(lse, axis=0))
-        w = w / tl.sum(w, axis=0)
-        o = tl.load(O_part + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                    mask=(s[:, None] < used) & (d[None, :] < D), other=0.0, cache_modifier=".cg")
-        out = tl.sum(o * w[:, None], axis=0)
-        tl.store(Out + b * stride_b + h * stride_h + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -248,14 +207,6 @@ class TritonBackend(AttentionBackend):
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
     # planned for a long context stay small however large the batch.
     max_programs = 16384
-    # Few requests: the last split of each (request, KV head) to finish merges the splits in the same kernel
-    # (a ticket per pair) instead of a second kernel. None follows PDSERVE_MERGE_IN_SPLIT; True/False force it.
-    merge_in_split: bool | None = None
-
-    def __init__(self, pool, config):
-        super().__init__(pool, config)
-        # One ticket per (request, KV head) of the few-requests regime; each launch leaves them at zero.
-        self.tickets = torch.zeros(self.target_programs, dtype=torch.int32, device=pool.data.device)
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
@@ -278,8 +229,6 @@ class _TritonStep(AttentionStep):
         want = max(triton.cdiv(backend.target_programs, programs), triton.cdiv(x.max_seq_len, launch.max_chunk))
         self.splits = max(1, min(want, backend.max_splits, backend.max_programs // programs,
                                  triton.cdiv(x.max_seq_len, launch.min_chunk)))
-        merge = backend.merge_in_split if backend.merge_in_split is not None else Env.merge_in_split()
-        self.merge_in_split = merge and programs <= backend.tickets.numel()
 
     def attend(self, q, layer_id):
         x = self.x
@@ -294,28 +243,25 @@ class _TritonStep(AttentionStep):
             bsz = x.batch_size
             o_part = torch.empty(bsz, heads, self.splits, dim, dtype=torch.float32, device=q.device)
             lse = torch.empty(bsz, heads, self.splits, dtype=torch.float32, device=q.device)
-            block_s = max(2, triton.next_power_of_2(self.splits))
             _decode_split_kernel[(bsz, heads // self.group, self.splits)](
-                q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse, out, self.backend.tickets,
+                q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse,
                 q.stride(0), q.stride(1),
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 o_part.stride(0), o_part.stride(1), o_part.stride(2),
                 lse.stride(0), lse.stride(1),
-                out.stride(0), out.stride(1),
                 self.scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
-                PDL=on, MERGE=self.merge_in_split, BLOCK_S=block_s, FENCE=q.is_cuda,
+                PDL=on,
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
-            if not self.merge_in_split:
-                _decode_merge_kernel[(bsz, heads)](
-                    o_part, lse, out, x.seq_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                    lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), self.window, S=self.splits,
-                    BLOCK_S=block_s, D=dim, BLOCK_D=block_d,
-                    MIN_CHUNK=self.launch.min_chunk, PDL=on, launch_pdl=on,
-                )
+            _decode_merge_kernel[(bsz, heads)](
+                o_part, lse, out, x.seq_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), self.window, S=self.splits,
+                BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d,
+                MIN_CHUNK=self.launch.min_chunk, PDL=on, launch_pdl=on,
+            )
             return out
         block_m = 128
         _prefill_kernel[(x.batch_size, heads, triton.cdiv(x.max_extend_len, block_m))](
