@@ -220,3 +220,23 @@ def test_cuda_ipc_notifications_leave_in_order_once_their_copies_finish():
         notifier.stop()
         rx.close(0)
     assert not notifier.is_alive()
+
+
+def test_cuda_ipc_page_lists_pad_what_a_shorter_send_leaves_and_refuse_bad_pages():
+    """A send's page pairs go into a fixed buffer that its copy graph reads: entries past the send are -1
+    (pairs the page-copy kernel skips), whatever a longer send before it or a refused one wrote there."""
+    from transfer.cuda_ipc import PageLists
+
+    lists = PageLists(8, pin_memory=False)
+    lists.write([3, 4, 5, 6, 7], [10, 11, 12, 13, 14])
+    assert lists.host.tolist() == [[3, 4, 5, 6, 7, -1, -1, -1], [10, 11, 12, 13, 14, -1, -1, -1]]
+    lists.write([9, 8], [1, 2])
+    assert lists.host.tolist() == [[9, 8] + [-1] * 6, [1, 2] + [-1] * 6]
+    with pytest.raises(ValueError, match="page lists"):
+        lists.write([1, 2, 3, 2**40], [4, 5, 6, 7])  # the first three are written before the fourth fails
+    lists.write([5], [6])
+    assert lists.host.tolist() == [[5] + [-1] * 7, [6] + [-1] * 7]
+    with pytest.raises(ValueError, match="pages for a buffer of 8"):
+        lists.write(list(range(9)), list(range(9)))
+    with pytest.raises(ValueError):
+        lists.write([1, 2], [3])

@@ -17,9 +17,11 @@ tokens, and that host time is TTFT.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import socket
+import struct
 import threading
 
 import msgspec
@@ -57,12 +59,45 @@ def same_machine(a: bytes, b: bytes) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=64)
+def _int32s(n: int) -> struct.Struct:
+    return struct.Struct(f"={n}i")
+
+
+class PageLists:
+    """A fixed [2, bucket] int32 buffer of (source, destination) page pairs, padded with -1 (pairs the
+    page-copy kernel skips). The host's time to fill it is time the copy waits for: struct writes a list of
+    ints into it in half the time numpy takes to convert one."""
+
+    def __init__(self, bucket: int, pin_memory: bool = True):
+        self.bucket = bucket
+        self.host = torch.full((2, bucket), -1, dtype=torch.int32, pin_memory=pin_memory)
+        self.lists = self.host.numpy()
+        self.raw = memoryview(self.lists).cast("B")
+        self.filled = 0  # entries of each list that may hold pairs; those past it are padding
+
+    def write(self, src_pages, dst_pages) -> None:
+        n = len(src_pages)
+        if len(dst_pages) != n or n > self.bucket:
+            raise ValueError(f"page lists of {n} and {len(dst_pages)} pages for a buffer of {self.bucket}")
+        try:
+            fmt = _int32s(n)
+            fmt.pack_into(self.raw, 0, *src_pages)
+            fmt.pack_into(self.raw, 4 * self.bucket, *dst_pages)
+        except struct.error as e:
+            self.filled = self.bucket  # partly written: clear it all next time
+            raise ValueError(f"page lists: {e}") from None
+        if n < self.filled:
+            self.lists[:, n:self.filled] = -1
+        self.filled = n
+
+
 class _CopyGraph:
     """Send `bucket` page pairs (or fewer) from our pool into one peer's mapped pool: one graph replay."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, bucket: int):
-        self.host = torch.full((2, bucket), -1, dtype=torch.int32, pin_memory=True)
-        self.lists = self.host.numpy()
+        self.pairs = PageLists(bucket)
+        self.host = self.pairs.host
         self.dev = torch.full((2, bucket), -1, dtype=torch.int32, device=src.device)
         self.last: torch.cuda.Event | None = None
         stream = torch.cuda.Stream(src.device)
@@ -78,10 +113,7 @@ class _CopyGraph:
     def send(self, src_pages, dst_pages) -> torch.cuda.Event:
         if self.last is not None:
             self.last.synchronize()  # the previous replay has read the pinned lists (long since, as a rule)
-        n = len(src_pages)
-        self.lists[0, :n] = src_pages
-        self.lists[1, :n] = dst_pages
-        self.lists[:, n:] = -1
+        self.pairs.write(src_pages, dst_pages)
         self.graph.replay()
         self.last = torch.cuda.Event(blocking=True)
         self.last.record()
