@@ -27,7 +27,14 @@ from kernels import gemv as G
 SHAPES = {"8B qkv": (6144, 4096, None), "8B qkv + rope (PDSERVE_FUSE_ROPE)": (6144, 4096, "rope"),
           "8B o": (4096, 4096, None), "8B gate_up + SiLU": (28672, 4096, "glu"), "8B down": (4096, 14336, None),
           "0.5B qkv": (1152, 896, None), "0.5B qkv + rope (PDSERVE_FUSE_ROPE)": (1152, 896, "rope"),
-          "0.5B o": (896, 896, None), "0.5B gate_up + SiLU": (9728, 896, "glu"), "0.5B down": (896, 4864, None)}
+          "0.5B o": (896, 896, None), "0.5B gate_up + SiLU": (9728, 896, "glu"), "0.5B down": (896, 4864, None),
+          # The folded norms (PDSERVE_FOLD_NORMS): the residual adds write the stream's squares, the norms read them.
+          "8B qkv + rope, norm from squares": (6144, 4096, "rope+sq"), "8B o + residual, squares": (4096, 4096, "res"),
+          "8B gate_up + SiLU, norm from squares": (28672, 4096, "glu+sq"),
+          "8B down + residual, squares": (4096, 14336, "res"),
+          "0.5B qkv + rope, norm from squares": (1152, 896, "rope+sq"),
+          "0.5B gate_up + SiLU, norm from squares": (9728, 896, "glu+sq"),
+          "0.5B down + residual, squares": (896, 4864, "res")}
 HEADS = {6144: (32, 8, 128), 1152: (14, 2, 64)}
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
@@ -36,13 +43,17 @@ SHARED_PER_SM = 228 * 1024
 
 def build(n: int, k: int, mode: str | None, fp8: bool):
     """The kernel config() picks for an [n, k] weight, compiled for sm_90, and its launch."""
-    glu, rope = mode == "glu", mode == "rope"
-    bn, bk, warps, stages, split, ahead = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, glu=glu))
+    mode = mode or ""
+    glu, rope, norm, res = mode.startswith("glu"), mode.startswith("rope"), mode.endswith("+sq"), mode == "res"
+    bn, bk, warps, stages, split, ahead = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, norm,
+                                                               glu=glu))
     hq, hkv, dim = HEADS[n] if rope else (1, 1, 2)
-    flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, GLU=glu, ADD_TO_OUT=False, PDL=True,
-                 BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv, HALF=dim // 2, KV_FP8=False)
+    # A folded norm as the model runs it by default: its scale from the squares the residual add left.
+    flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, NORM_W=norm, SQ_IN=512 if norm else 0,
+                 SQ_OUT=res, GLU=glu, ADD_TO_OUT=res, PDL=True, BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv,
+                 HALF=dim // 2, KV_FP8=False)
     types = {"X": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
-             "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "R_COS": "*bf16",
+             "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "SQ": "*fp32", "SQ_N": "i32", "R_COS": "*bf16",
              "R_SIN": "*bf16", "R_KV": "*bf16", "R_PAGE": "*i64", "R_SLOT": "*i64", "r_sp": "i32", "r_skv": "i32",
              "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}
     fn = G._gemv_kernel
@@ -53,7 +64,7 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     sig = {name: "constexpr" if name in flags else types[name] for name in fn.arg_names}
     names = list(sig)
     # As a launch with 16-byte aligned pointers and sizes sees them (torch's allocations, the model's shapes).
-    aligned = ("X", "W", "SCALE", "BIAS", "NW", "OUT", "N", "K", "stride_wn", "WORK", "COUNTERS")
+    aligned = ("X", "W", "SCALE", "BIAS", "NW", "OUT", "N", "K", "stride_wn", "SQ", "WORK", "COUNTERS")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs=flags, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,

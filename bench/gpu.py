@@ -678,6 +678,8 @@ EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
                "PDSERVE_FUSE_ROPE": ("0", "rope in its own kernel after the qkv GEMV (the default fuses them)")}
 # Models as narrow as CausalLM.fold_max_width fold the norms by default: their variant unfolds them.
 NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own (the default folds them at this width)"),
+                      "PDSERVE_NORM_SQUARES": ("0", "folded norms gather the sum of squares in their own GEMV "
+                                                    "(the default takes it from the residual add's)"),
                       "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
 
 

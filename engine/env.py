@@ -36,3 +36,10 @@ class Env:
         (PDSERVE_FUSE_ROPE, default 1; 0 runs rope_store's kernel after the projection). On an H200 it took
         0-5 % off the 8B bf16 step and 2-5 % off the FP8 one, with the same greedy tokens (docs/benchmarks.md)."""
         return os.environ.get("PDSERVE_FUSE_ROPE", "1") != "0"
+
+    @staticmethod
+    def norm_squares() -> bool:
+        """Where the norms are folded into the projections, o_proj and down_proj also leave the residual
+        stream's sum of squares for the next norm, so qkv_proj and gate_up_proj need not gather it
+        (PDSERVE_NORM_SQUARES, default 1; 0 gathers it in their K loop)."""
+        return os.environ.get("PDSERVE_NORM_SQUARES", "1") != "0"

@@ -20,7 +20,7 @@ from engine.env import Env
 from engine.parallel import TensorParallel
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 from kernels.gemv import available as gemv_available
-from kernels.gemv import gemv
+from kernels.gemv import TokenSquares, gemv
 from kernels.rope import apply_rope_ref
 
 
@@ -96,12 +96,13 @@ class Linear(nn.Linear):
     reduction kernel. `glu=True` (gate_up_proj): the output is silu(gate) * up, fused into the GEMV."""
 
     def forward(self, x: torch.Tensor, glu: bool = False, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None, rope=None) -> torch.Tensor:
-        """`norm`, `residual` and `rope` (one token; CausalLM decided the GEMV runs): project norm(x), add the
-        projection to `residual` in place and return it, or rotate and store q, k, v (kernels/gemv.py)."""
+                residual: torch.Tensor | None = None, rope=None, squares: TokenSquares | None = None) -> torch.Tensor:
+        """`norm`, `residual`, `rope` and `squares` (one token; CausalLM decided the GEMV runs): project
+        norm(x), add the projection to `residual` in place and return it, or rotate and store q, k, v
+        (kernels/gemv.py)."""
         if norm is not None or residual is not None or rope is not None:
             return gemv(x, self.weight, bias=self.bias, glu=glu, norm=None if norm is None else (norm.weight, norm.eps),
-                        residual=residual, rope=rope)
+                        residual=residual, rope=rope, squares=squares)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, glu=glu)
         y = F.linear(x, self.weight, self.bias)
@@ -122,16 +123,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin, attn, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None, fuse_rope: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, fuse_rope: bool = False,
+                squares: TokenSquares | None = None) -> torch.Tensor:
         """`norm`/`residual`: the folded one-token path (DecoderLayer.forward_folded); `fuse_rope`: rope and
         the KV store in the qkv GEMV (CausalLM.fuses_rope)."""
         c = self.config
         n = x.shape[0]
         if fuse_rope:
-            q = self.qkv_proj(x, norm=norm, rope=attn.rope_target(cos_sin, c.num_attention_heads, self.layer_id))
+            q = self.qkv_proj(x, norm=norm, squares=squares,
+                              rope=attn.rope_target(cos_sin, c.num_attention_heads, self.layer_id))
             out = attn.attend(q, self.layer_id)
         else:
-            qk, v = self.qkv_proj(x, norm=norm).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+            qk, v = self.qkv_proj(x, norm=norm, squares=squares).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
             v = v.view(n, c.num_key_value_heads, c.head_dim)
             qk = qk.view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim)
             if c.qk_norm:
@@ -140,7 +143,7 @@ class Attention(nn.Module):
             # Rope on q and k heads together, fused with storing k and v where a kernel is available.
             out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
         if residual is not None:
-            return self.o_proj(out.reshape(n, c.q_size), residual=residual)
+            return self.o_proj(out.reshape(n, c.q_size), residual=residual, squares=squares)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
 
 
@@ -152,9 +155,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                squares: TokenSquares | None = None):
         if residual is not None:  # the folded one-token path
-            return self.down_proj(self.gate_up_proj(x, glu=True, norm=norm), residual=residual)
+            return self.down_proj(self.gate_up_proj(x, glu=True, norm=norm, squares=squares), residual=residual,
+                                  squares=squares)
         return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x, glu=True)))
 
 
@@ -173,11 +178,15 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 
-    def forward_folded(self, stream: torch.Tensor, cos_sin, attn, fuse_rope: bool = False) -> None:
+    def forward_folded(self, stream: torch.Tensor, cos_sin, attn, fuse_rope: bool = False,
+                       squares: TokenSquares | None = None) -> None:
         """One token, one GPU: the norms fold into qkv_proj and gate_up_proj, the residual adds into o_proj and
-        down_proj, which update `stream` in place; four kernels for the projections, none for the norms."""
-        self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream, fuse_rope=fuse_rope)
-        self.mlp(stream, norm=self.post_attention_layernorm, residual=stream)
+        down_proj, which update `stream` in place; four kernels for the projections, none for the norms.
+        With `squares`, o_proj and down_proj also leave the stream's sum of squares, which the next norm uses
+        instead of gathering it in its projection's K loop."""
+        self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream, fuse_rope=fuse_rope,
+                       squares=squares)
+        self.mlp(stream, norm=self.post_attention_layernorm, residual=stream, squares=squares)
 
 
 class CausalLM(nn.Module):
@@ -204,8 +213,9 @@ class CausalLM(nn.Module):
         fuse_rope = self.fuses_rope(x)
         if self.folds(x):
             # x is the embedding lookup's own tensor, so it can carry the residual stream in place.
+            squares = TokenSquares.new(x.device) if Env.norm_squares() else None
             for layer in self.layers:
-                layer.forward_folded(x, cos_sin, attn, fuse_rope)
+                layer.forward_folded(x, cos_sin, attn, fuse_rope, squares)
             return self.norm.add_norm(x, None)[0]
         residual = None
         for layer in self.layers:

@@ -88,15 +88,18 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models):
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("squares", ["1", "0"], ids=["squares", "gathered"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, tiny_models,
+def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, squares, tiny_models,
                                                                                    monkeypatch):
     """The GPU's batch-1 path (engine.model.DecoderLayer.forward_folded: no norm kernels, residual adds in
-    the projections' GEMV), run here by the Triton interpreter."""
+    the projections' GEMV), run here by the Triton interpreter; each norm's scale from the sums of squares
+    o_proj and down_proj leave (PDSERVE_NORM_SQUARES=1, the default) or gathered by its own GEMV."""
     pytest.importorskip("triton")
     from engine.model import CausalLM
 
     monkeypatch.setattr(CausalLM, "fold_norms", True)
+    monkeypatch.setenv("PDSERVE_NORM_SQUARES", squares)
     path, hf = tiny_models[family]
     engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
     seen = record_logits(engine)

@@ -390,6 +390,45 @@ def test_gemv_folds_the_norm_before_and_the_residual_add_after(dtype):
         gemv(torch.randn(1, 140, generator=g).to(dtype), w_in, norm=(norm_w, 1e-6))  # x is not [1, K]
 
 
+@pytest.mark.parametrize("weights", ["float32", "e4m3", "e4m3 split"])
+def test_gemv_norm_reads_the_sum_of_squares_the_residual_add_left(weights):
+    """squares=: a GEMV that adds into the stream leaves one partial sum of squares per program, and the next
+    GEMV that folds a norm takes its scale from them: the same numbers as gathering it from the token. A
+    launch with more programs than the buffer holds leaves none, and the norm gathers the sum itself."""
+    from kernels.fp8_linear import quantize_per_channel
+    from kernels.fused import add_rms_norm
+    from kernels.gemv import TokenSquares, gemv
+
+    g = torch.Generator().manual_seed(11)
+    w_in = torch.randn(70, 300, generator=g) * 0.05
+    w_out = torch.randn(300, 72, generator=g) * 0.05
+    norm_w = torch.rand(300, generator=g) + 0.5
+    launch, scale_in, scale_out = None, None, None
+    if weights != "float32":
+        w_in, scale_in = quantize_per_channel(w_in)
+        w_out, scale_out = quantize_per_channel(w_out)
+        launch = (16, 64, 4, 1, 2 if weights == "e4m3 split" else 1)
+    stream = torch.randn(1, 300, generator=g)
+    a = torch.randn(1, 72, generator=g)
+
+    squares = TokenSquares.new(torch.device("cpu"))
+    r = stream.clone()
+    gemv(a, w_out, scale_out, residual=r, squares=squares, launch=launch)
+    assert squares.count == -(-300 // 16)  # the interpreter's programs of 16 rows
+    assert close(squares.buf[: squares.count].sum(), (r * r).sum(), 1e-5)
+    gathered = gemv(r, w_in, scale_in, norm=(norm_w, 1e-6), launch=launch)
+    assert close(gemv(r, w_in, scale_in, norm=(norm_w, 1e-6), squares=squares, launch=launch), gathered, 1e-5)
+    normed, _ = add_rms_norm(r, None, norm_w, 1e-6, fused=False)
+    assert close(gathered, gemv(normed, w_in, scale_in, launch=launch), 1e-5)
+
+    few = TokenSquares.new(torch.device("cpu"), size=4)
+    gemv(a, w_out, scale_out, residual=r.clone(), squares=few, launch=launch)
+    assert few.count == 0
+    assert close(gemv(r, w_in, scale_in, norm=(norm_w, 1e-6), squares=few, launch=launch), gathered, 1e-5)
+    with pytest.raises(ValueError):
+        gemv(a, w_out, scale_out, residual=r, squares=TokenSquares(torch.zeros(64, dtype=torch.float64)))
+
+
 def test_every_landed_gemv_launch_builds_for_sm90_without_spilling_tiles():
     """bench.gemv_build compiles each launch config() picks for the 8B and 0.5B projections, bf16 and FP8, for
     an H200 without one. A few registers may be parked on the stack around the K loop (the split-K FP8 qkv
