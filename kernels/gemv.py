@@ -31,7 +31,8 @@ adds the projection to r in place (rounded to r's dtype, as the separate add is)
 `squares=TokenSquares`, the residual add also leaves each program's sum of squares of the rows it updated, and
 the next norm takes its scale from them instead of gathering it in the K loop: it requests them right after
 the PDL wait and adds them after the loop, so the wait for them hides behind the weight stream, and the K loop
-does no work for the norm but the multiply by its weight (0.5B step 0.666 against 0.706 ms, run Z7).
+does no work for the norm but the multiply by its weight (0.5B step 0.666 against 0.706 ms in run Z7b, 0.700
+against 0.703 in Z8).
 
 `rope=RopeTarget` (one-token steps, unless PDSERVE_FUSE_ROPE=0) folds kernels/rope.py's rope_store into qkv_proj: the
 rows of each head pair d with d + D/2, and the finished pairs are rotated and stored as rope_store stores
