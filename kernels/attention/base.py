@@ -14,6 +14,7 @@ Index map for request b (tokens of the step are [qo_indptr[b], qo_indptr[b+1]) )
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -52,10 +53,16 @@ class AttentionInputs:
 
 
 class AttentionStep(ABC):
-    """Set by each backend's step: `pool`, `x` (the AttentionInputs), `write_index` (pool.slot_index of the
-    new tokens). `fused` None: rope + store in one kernel on a GPU; True/False force it (tests)."""
+    """Set by each backend's step: `pool`, `x` (the AttentionInputs). `fused` None: rope + store in one kernel
+    on a GPU; True/False force it (tests)."""
 
     fused: bool | None = None
+
+    @functools.cached_property
+    def write_index(self):
+        """pool.slot_index of the step's new tokens, made on first use: where rope and the KV store fold into
+        the qkv GEMV (one-token steps), nothing asks for it, and a decode graph has four kernels fewer."""
+        return self.pool.slot_index(self.x.out_pages, self.x.out_offsets)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:

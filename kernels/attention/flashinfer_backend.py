@@ -42,7 +42,6 @@ class _FlashInferStep(AttentionStep):
         self.pool = pool
         self.wrapper = wrapper
         self.x = x
-        self.write_index = pool.slot_index(x.out_pages, x.out_offsets)
 
     def attend(self, q, layer_id):
         return self.wrapper.run(q, self.pool.layer(layer_id))

@@ -34,7 +34,6 @@ class _TorchStep(AttentionStep):
         # Where every padded KV position ([B, L]) lives; padding points at the reserved zero page.
         self.gather_index = pool.slot_index(table.gather(1, (j // ps)[None, :].expand(bsz, -1)),
                                             (j % ps)[None, :].expand(bsz, -1))
-        self.write_index = pool.slot_index(x.out_pages, x.out_offsets)
 
         i = torch.arange(q_len, device=dev)
         q_pos = x.prefix_lens.long()[:, None] + i[None, :]  # [B, Qmax] absolute position of each query

@@ -24,6 +24,19 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One KV tile into the online softmax of the query heads q: (m_i, l_i, acc) updated."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KV, indptr, indices, seq_lens, O_part, LSE_part,
     stride_qb, stride_qh,
@@ -33,7 +46,7 @@ def _decode_split_kernel(
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_KV: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -53,23 +66,43 @@ def _decode_split_kernel(
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
-        # The first tile's page-table entries are read before the wait, and each later tile's one tile ahead:
-        # the table is written before the step, so only the K/V loads wait on a page-table read.
+        # Only the step's own token (the last of the request) is written by the previous kernel: every other
+        # token of the first tile, and the page table, were stored before the step, so they are read before
+        # the wait and the K/V stream starts while the previous kernel drains. Later tiles' page-table entries
+        # are read one tile ahead.
+        d = tl.arange(0, BLOCK_D)
+        dmask = d[None, :] < D
         t = start + tl.arange(0, BLOCK_N)
-        page = tl.load(indices + page_base + t // PAGE, mask=t < end, other=0).to(tl.int64)
+        valid = t < end
+        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+        old = (valid & (t < seq_len - 1))[:, None] & dmask
+        if not EARLY_KV:
+            old = old & (t < 0)[:, None]  # (nothing read before the wait)
+        k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0)
+        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0)
+        tn = t + BLOCK_N
+        page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        if (start + BLOCK_N >= seq_len) or not EARLY_KV:  # the step's token is in this tile
+            new = (t == seq_len - 1)[:, None] & dmask
+            if not EARLY_KV:
+                new = valid[:, None] & dmask
+            k = tl.where(new, tl.load(KV + row[:, None] + d[None, :], mask=new, other=0.0), k)
+            v = tl.where(new, tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=new, other=0.0), v)
         g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
         heads = kvh * G + g
         # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0)
+                    mask=(g[:, None] < G) & dmask, other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
+        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
+        for t0 in range(start + BLOCK_N, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
             row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
@@ -77,18 +110,10 @@ def _decode_split_kernel(
             # [pages, PAGE] rows) measured 2-2.4x slower on an H200 (benchmarks.md, run O).
             tn = t + BLOCK_N
             page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
-            kmask = valid[:, None] & (d[None, :] < D)
-            # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+            kmask = valid[:, None] & dmask
             k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
             v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
         omask = (g[:, None] < G) & (d[None, :] < D)
@@ -207,6 +232,9 @@ class TritonBackend(AttentionBackend):
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
     # planned for a long context stay small however large the batch.
     max_programs = 16384
+    # The first KV tile of each split read before the PDL wait (all but the step's own token); False reads it
+    # after, as a baseline for bench/gpu.py.
+    early_kv = True
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
@@ -221,7 +249,6 @@ class _TritonStep(AttentionStep):
         self.scale = c.head_dim ** -0.5
         self.window = c.sliding_window or 0
         self.group = c.num_attention_heads // c.num_key_value_heads
-        self.write_index = self.pool.slot_index(x.out_pages, x.out_offsets)
         # Splits: enough programs (batch x kv heads x splits) to fill the GPU several times over, and splits of
         # at most max_chunk tokens for long contexts; never more than min_chunk-token splits can use.
         programs = x.batch_size * c.num_key_value_heads
@@ -253,7 +280,7 @@ class _TritonStep(AttentionStep):
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
-                PDL=on,
+                PDL=on, EARLY_KV=self.backend.early_kv,
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
             _decode_merge_kernel[(bsz, heads)](
