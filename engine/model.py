@@ -68,6 +68,7 @@ class Rotary(nn.Module):
         self.config = config
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.tables: dict = {}  # (dtype, device) -> [positions, 2, D]: cos and signed sin, made on first use
         self.build()
 
     def build(self) -> None:
@@ -79,10 +80,18 @@ class Rotary(nn.Module):
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated): one op fewer per use.
         self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(device)
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
+        self.tables = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for the step's tokens, [N, 1, D]: gathered once per forward for all layers."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos, signed sin for the step's tokens, [N, 1, D] (views of one [N, 2, D] gather): gathered once per
+        forward for all layers. The tables are kept in the activation dtype, cos beside sin, so that a step
+        gathers both in one kernel rather than two gathers and two conversions (rounded as those were)."""
+        key = (dtype, self.cos.device)
+        table = self.tables.get(key)
+        if table is None:
+            table = self.tables[key] = torch.stack([self.cos, self.sin], dim=1).to(dtype)
+        both = table[positions]
+        return both[:, :1], both[:, 1:]
 
     @staticmethod
     def apply(cos_sin, x: torch.Tensor) -> torch.Tensor:
@@ -261,10 +270,19 @@ class CausalLM(nn.Module):
         x = self.embed_tokens((input_ids - self.vocab_start) * mine) * mine[:, None]
         return self.tp.all_reduce(x)
 
+    # One-token steps on a GPU take a bf16/fp16 LM head through the Triton GEMV, which stores float32 logits
+    # as it sums them: no split-K memset, no conversion kernel, and none of cuBLAS's rounding to bf16 first.
+    head_gemv = True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A tied head is the embedding table, unless quantization gave it an FP8 copy of its own.
         head = getattr(self, "lm_head", None)
-        logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+        weight = self.embed_tokens.weight if head is None else head.weight
+        if (self.head_gemv and hidden.shape[0] == 1 and type(head) in (type(None), nn.Linear)
+                and gemv_available(hidden) and weight.dtype == hidden.dtype):
+            logits = gemv(hidden, weight, out_dtype=torch.float32)
+        else:
+            logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
         if self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits

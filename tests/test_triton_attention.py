@@ -224,6 +224,36 @@ def test_gemv_matches_a_matmul(dtype, scaled):
     assert got.shape == (1, 70) and close(got, ref, 1e-2 if dtype != torch.float32 else 1e-5)
 
 
+def test_gemv_stores_float32_logits_without_rounding_them_to_the_token_dtype():
+    """An LM head's one-token GEMV (CausalLM.compute_logits) asks for float32: the sums as they are, closer to
+    exact products than the bf16 output rounded up."""
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(70, 300, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(1, 300, generator=g).to(torch.bfloat16)
+    ref = x.double() @ w.double().t()
+    got = gemv(x, w, out_dtype=torch.float32)
+    rounded = gemv(x, w)
+    assert got.dtype == torch.float32 and got.shape == (1, 70)
+    assert (got.double() - ref).abs().max() < 1e-4 < (rounded.double() - ref).abs().max()
+    with pytest.raises(ValueError):
+        gemv(x, torch.randn(70, 300).to(torch.bfloat16), glu=True, out_dtype=torch.float32)
+
+
+def test_rotary_lookup_gathers_cos_and_sin_rounded_as_the_float32_tables():
+    from engine.model import Rotary
+
+    cfg = config(heads=4, kv_heads=2, head_dim=64)  # positions up to 4096
+    rot = Rotary(cfg)
+    pos = torch.tensor([0, 7, 4095, 7])
+    for dtype in (torch.bfloat16, torch.float32):
+        cos, sin = rot.lookup(pos, dtype)
+        assert cos.shape == sin.shape == (4, 1, cfg.head_dim) and cos.dtype == dtype
+        assert torch.equal(cos, rot.cos[pos].to(dtype)[:, None, :])
+        assert torch.equal(sin, rot.sin[pos].to(dtype)[:, None, :])
+
+
 @pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("n, k", [(64, 256), (70, 300), (70, 302)])
 def test_gemv_of_e4m3_weights_in_every_mode(n, k, ahead):
