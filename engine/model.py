@@ -277,9 +277,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A tied head is the embedding table, unless quantization gave it an FP8 copy of its own.
         head = getattr(self, "lm_head", None)
-        weight = self.embed_tokens.weight if head is None else head.weight
-        if (self.head_gemv and hidden.shape[0] == 1 and type(head) in (type(None), nn.Linear)
-                and gemv_available(hidden) and weight.dtype == hidden.dtype):
+        plain = head is None or type(head) is nn.Linear  # (not an Fp8Linear, whose GEMV takes its scales)
+        weight = (self.embed_tokens.weight if head is None else head.weight) if plain else None
+        if (self.head_gemv and plain and hidden.shape[0] == 1 and gemv_available(hidden)
+                and weight.dtype == hidden.dtype):
             logits = gemv(hidden, weight, out_dtype=torch.float32)
         else:
             logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
