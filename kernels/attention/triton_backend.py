@@ -66,32 +66,25 @@ def _decode_split_kernel(
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
-        # Only the step's own token (the last of the request) is written by the previous kernel: every other
-        # token of the first tile, and the page table, were stored before the step, so they are read before
-        # the wait and the K/V stream starts while the previous kernel drains. Later tiles' page-table entries
-        # are read one tile ahead.
+        # The page table is written before the step: the first tile's entries are read before the wait, and
+        # each later tile's one tile ahead. EARLY_KV: so is the first tile's K/V, all but the step's own token
+        # (the request's last), which the previous kernel writes; the K/V stream then starts while the previous
+        # kernel drains (few requests, one or two tiles a split). Long splits keep one pipelined loop.
         d = tl.arange(0, BLOCK_D)
         dmask = d[None, :] < D
         t = start + tl.arange(0, BLOCK_N)
-        valid = t < end
-        page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
-        row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
-        old = (valid & (t < seq_len - 1))[:, None] & dmask
-        if not EARLY_KV:
-            old = old & (t < 0)[:, None]  # (nothing read before the wait)
-        k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0)
-        v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0)
-        tn = t + BLOCK_N
-        page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
+        page = tl.load(indices + page_base + t // PAGE, mask=t < end, other=0).to(tl.int64)
+        if EARLY_KV:
+            valid = t < end
+            row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
+            old = (valid & (t < seq_len - 1))[:, None] & dmask
+            k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0)
+            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0)
+            tn = t + BLOCK_N
+            page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if (start + BLOCK_N >= seq_len) or not EARLY_KV:  # the step's token is in this tile
-            new = (t == seq_len - 1)[:, None] & dmask
-            if not EARLY_KV:
-                new = valid[:, None] & dmask
-            k = tl.where(new, tl.load(KV + row[:, None] + d[None, :], mask=new, other=0.0), k)
-            v = tl.where(new, tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=new, other=0.0), v)
         g = tl.arange(0, BLOCK_G)
         heads = kvh * G + g
         # The group's query heads form the M side of a tensor-core dot (padded to 16 rows).
@@ -100,9 +93,16 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
-        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
-        for t0 in range(start + BLOCK_N, end, BLOCK_N):
+        first = start
+        if EARLY_KV:
+            if start + BLOCK_N >= seq_len:  # the step's token is in this tile
+                new = (t == seq_len - 1)[:, None] & dmask
+                k = tl.where(new, tl.load(KV + row[:, None] + d[None, :], mask=new, other=0.0), k)
+                v = tl.where(new, tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=new, other=0.0), v)
+            # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+            m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
+            first = start + BLOCK_N
+        for t0 in range(first, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
             row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
@@ -216,6 +216,7 @@ class DecodeLaunch:
     stages: int
     max_chunk: int
     min_chunk: int
+    early_kv: bool = False  # the first KV tile read before the PDL wait (_decode_split_kernel)
 
 
 class TritonBackend(AttentionBackend):
@@ -225,16 +226,13 @@ class TritonBackend(AttentionBackend):
     # 8B step from 11.52 ms to 10.95 ms (run O; `python -m bench.gpu --tune-decode` sweeps these).
     # A split is at least one tile for few requests (one tile a program at short contexts) and at least 512
     # tokens for many (the 4 splits of 513 tokens that run O's batch-64, 2k-context graph used).
-    decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32)
+    decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32, early_kv=True)
     decode_large = DecodeLaunch(block_n=64, warps=4, stages=4, max_chunk=1024, min_chunk=512)
     target_programs = 256  # programs to aim for: a few per SM
     max_splits = 64
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
     # planned for a long context stay small however large the batch.
     max_programs = 16384
-    # The first KV tile of each split read before the PDL wait (all but the step's own token); False reads it
-    # after, as a baseline for bench/gpu.py.
-    early_kv = True
 
     def plan(self, inputs: AttentionInputs) -> AttentionStep:
         return _TritonStep(self, inputs)
@@ -280,7 +278,7 @@ class _TritonStep(AttentionStep):
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
-                PDL=on, EARLY_KV=self.backend.early_kv,
+                PDL=on, EARLY_KV=self.launch.early_kv,
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
             _decode_merge_kernel[(bsz, heads)](
