@@ -11,7 +11,11 @@ Rules every kernel here follows, because the wait is what keeps the stream's ord
   completes before its predecessor (its successor waits on it alone). A program that does neither may return
   without waiting only if some program of its grid always waits: the split-KV decode kernel's empty splits
   return at once, and the first split of every request waits;
-- `gdc_launch_dependents()` comes after the wait, so at most one grid is waiting ahead of the running one.
+- `gdc_launch_dependents()` comes after the wait, so at most one grid is waiting ahead of the running one,
+  and a waiting grid's early weight loads do not compete with a kernel two steps back. One exception: the
+  split-KV merge kernel, tiny and reading no weights, signals first, so that o_proj launches during the
+  attention, whose KV reads leave the memory mostly idle (then two grids wait: the merge and o_proj).
+  Correctness holds either way: a grid completes only after its own wait, so completion stays in order.
 The kernels take a `PDL` constexpr and are launched with `launch_pdl=PDL`; without PDL the calls compile
 out, and the launch is an ordinary one (the interpreter and pre-Hopper GPUs). PDSERVE_PDL=0 turns it off.
 """
