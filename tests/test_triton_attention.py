@@ -3,6 +3,8 @@ conftest.py; the same kernels compile for the GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,8 +86,6 @@ def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
 def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, window, monkeypatch):
     """A CUDA graph plans its splits for the longest context it may replay; shorter ones leave splits empty,
     and the merge reads only the splits each request has (the others hold whatever was there before)."""
-    import dataclasses
-
     from kernels.attention.triton_backend import TritonBackend
 
     if regime == "many-requests":
@@ -105,6 +105,23 @@ def test_decode_planned_for_a_far_longer_context_than_the_batch_has(regime, wind
     step = create_backend("triton", pool, cfg).plan(dataclasses.replace(x, max_seq_len=131072))
     assert step.splits > 8
     assert close(step.attend(q, 0), ref, 1e-4)
+
+
+@pytest.mark.parametrize("max_splits", [3, 5, 7])
+@pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
+def test_decode_splits_of_whole_tiles_still_cover_every_context(regime, max_splits, monkeypatch):
+    """Splits are rounded up to whole KV tiles (so that tiles start on page boundaries): with few splits for
+    long contexts (601 tokens in 3, 5 or 7), the last split is short or empty, and the merge must agree with
+    the split kernel on how many there are."""
+    from kernels.attention.triton_backend import TritonBackend
+
+    if regime == "many-requests":
+        monkeypatch.setattr(TritonBackend, "target_programs", 1)
+        monkeypatch.setattr(TritonBackend, "decode_large", dataclasses.replace(TritonBackend.decode_large,
+                                                                               max_chunk=64, min_chunk=64))
+    monkeypatch.setattr(TritonBackend, "max_splits", max_splits)
+    outs = run(config(), [600, 5, 300, 17], [1] * 4)
+    assert close(outs["triton"][0], outs["torch"][0], 1e-4)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

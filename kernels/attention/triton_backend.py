@@ -46,10 +46,14 @@ def _decode_split_kernel(
     scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+    PDL: tl.constexpr, EARLY_KV: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     s = tl.program_id(2)
     # The step's page table is written before the step starts; q and the new token's K/V by the previous kernel.
     seq_len = tl.load(seq_lens + b)
@@ -61,8 +65,9 @@ def _decode_split_kernel(
     # plan time for the longest context a CUDA graph may replay, and a shorter context leaves the last
     # splits empty rather than cutting its KV into slivers. An empty split ends here, storing nothing (the
     # merge reads only the splits its request has): a graph planned for 128k tokens replayed at 2k has
-    # seven empty programs for each busy one.
-    chunk = tl.maximum(tl.cdiv(seq_len - lo, S), MIN_CHUNK)
+    # seven empty programs for each busy one. A split is a whole number of tiles, so that its tiles start on
+    # page boundaries: 683-token splits of 64-token tiles read a third of their pages in two pieces.
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(seq_len - lo, S), MIN_CHUNK), BLOCK_N) * BLOCK_N
     start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
@@ -125,14 +130,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(O_part, LSE_part, Out, seq_lens, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          stride_b, stride_h, window, S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     # The splits this request has, cut as the split kernel cuts them.
     n = tl.load(seq_lens + b)
     if window > 0:
         n = n - tl.maximum(n - window, 0)
-    used = tl.cdiv(n, tl.maximum(tl.cdiv(n, S), MIN_CHUNK))
+    used = tl.cdiv(n, tl.cdiv(tl.maximum(tl.cdiv(n, S), MIN_CHUNK), TILE) * TILE)
     if PDL:
         # Signalled before the wait (kernels/pdl.py): o_proj's programs then launch while the split kernel
         # runs and load their first weight tiles while the memory is otherwise idle. 1.0-1.4 % off the 8B
@@ -220,17 +225,21 @@ class DecodeLaunch:
     max_chunk: int
     min_chunk: int
     early_kv: bool = False  # the first KV tile read before the PDL wait (_decode_split_kernel)
+    # The grid's first axis is the KV head, not the request: in NHD pages a request's heads lie side by side,
+    # and programs launched together then read whole rows of them.
+    heads_first: bool = False
 
 
 class TritonBackend(AttentionBackend):
     # Two regimes. Few requests (fewer (request, KV head) pairs than target_programs) need many short splits
     # to fill the SMs: 32-token tiles, 3 stages (the batch-1 rows of benchmarks.md, run N). Many requests
-    # stream long splits: 64-token tiles, 4 stages, splits of up to 1024 tokens took the batch-64, 2k-context
-    # 8B step from 11.52 ms to 10.95 ms (run O; `python -m bench.gpu --tune-decode` sweeps these).
+    # stream long splits of up to 1024 tokens in 64-token tiles. Three stages rather than four, with one
+    # request's KV heads launched side by side, took the batch-64, 2k-context 8B step (CUDA graph) from 10.24
+    # to 9.73 ms on an H200 (run Z25; `python -m bench.gpu --tune-decode` sweeps these settings).
     # A split is at least one tile for few requests (one tile a program at short contexts) and at least 512
-    # tokens for many (the 4 splits of 513 tokens that run O's batch-64, 2k-context graph used).
+    # tokens for many.
     decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32, early_kv=True)
-    decode_large = DecodeLaunch(block_n=64, warps=4, stages=4, max_chunk=1024, min_chunk=512)
+    decode_large = DecodeLaunch(block_n=64, warps=4, stages=3, max_chunk=1024, min_chunk=512, heads_first=True)
     target_programs = 256  # programs to aim for: a few per SM
     max_splits = 64
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
@@ -271,7 +280,10 @@ class _TritonStep(AttentionStep):
             bsz = x.batch_size
             o_part = torch.empty(bsz, heads, self.splits, dim, dtype=torch.float32, device=q.device)
             lse = torch.empty(bsz, heads, self.splits, dtype=torch.float32, device=q.device)
-            _decode_split_kernel[(bsz, heads // self.group, self.splits)](
+            grid = (bsz, heads // self.group, self.splits)
+            if self.launch.heads_first:
+                grid = (grid[1], grid[0], grid[2])
+            _decode_split_kernel[grid](
                 q, kv, x.kv_indptr, x.kv_indices, x.seq_lens, o_part, lse,
                 q.stride(0), q.stride(1),
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -281,14 +293,14 @@ class _TritonStep(AttentionStep):
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
-                PDL=on, EARLY_KV=self.launch.early_kv,
+                PDL=on, EARLY_KV=self.launch.early_kv, HEADS_FIRST=self.launch.heads_first,
                 launch_pdl=on, num_warps=self.launch.warps, num_stages=self.launch.stages,
             )
             _decode_merge_kernel[(bsz, heads)](
                 o_part, lse, out, x.seq_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), self.window, S=self.splits,
                 BLOCK_S=max(2, triton.next_power_of_2(self.splits)), D=dim, BLOCK_D=block_d,
-                MIN_CHUNK=self.launch.min_chunk, PDL=on, launch_pdl=on,
+                MIN_CHUNK=self.launch.min_chunk, TILE=self.launch.block_n, PDL=on, launch_pdl=on,
             )
             return out
         block_m = 128
