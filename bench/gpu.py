@@ -777,8 +777,8 @@ def tune_decode(device, dtype, smoke: bool) -> None:
     current = TritonBackend.decode_large
     if smoke:  # the small batch would pick decode_small; time the large settings all the same
         TritonBackend.target_programs = 1
-    grid = [current] + [DecodeLaunch(bn, w, st, 1024, mc, heads_first=hf) for bn in (32, 64, 128) for w in (4, 8)
-                        for st in (2, 3, 4) for mc in (256, 512) for hf in (False, True)]
+    grid = [current] + [DecodeLaunch(bn, w, st, ch, 512, heads_first=hf) for bn in (32, 64, 128) for w in (4, 8)
+                        for st in (2, 3, 4) for ch in (512, 1024) for hf in (False, True)]
     grid = list(dict.fromkeys(grid))
     times, flash = {}, None
     try:

@@ -233,13 +233,14 @@ class DecodeLaunch:
 class TritonBackend(AttentionBackend):
     # Two regimes. Few requests (fewer (request, KV head) pairs than target_programs) need many short splits
     # to fill the SMs: 32-token tiles, 3 stages (the batch-1 rows of benchmarks.md, run N). Many requests
-    # stream long splits of up to 1024 tokens in 64-token tiles. Three stages rather than four, with one
-    # request's KV heads launched side by side, took the batch-64, 2k-context 8B step (CUDA graph) from 10.24
-    # to 9.73 ms on an H200 (run Z25; `python -m bench.gpu --tune-decode` sweeps these settings).
-    # A split is at least one tile for few requests (one tile a program at short contexts) and at least 512
-    # tokens for many.
+    # stream splits of 512 tokens (longer only where the batch would exceed max_programs) in 32-token tiles,
+    # two stages, one request's KV heads launched side by side: the batch-64, 2k-context 8B step (CUDA graph)
+    # went from 10.24 ms (64-token tiles, 4 stages, splits of up to 1024) to 9.42 ms on an H200, and one
+    # layer's attention from 172 to 157 us when planned for its own context, 170 to 141 us as a graph plans
+    # it (runs Z25-Z27; `python -m bench.gpu --tune-decode` sweeps these settings).
+    # A split is at least one tile for few requests (one tile a program at short contexts).
     decode_small = DecodeLaunch(block_n=32, warps=4, stages=3, max_chunk=256, min_chunk=32, early_kv=True)
-    decode_large = DecodeLaunch(block_n=64, warps=4, stages=3, max_chunk=1024, min_chunk=512, heads_first=True)
+    decode_large = DecodeLaunch(block_n=32, warps=4, stages=2, max_chunk=512, min_chunk=512, heads_first=True)
     target_programs = 256  # programs to aim for: a few per SM
     max_splits = 64
     # Splits are capped so that batch x KV heads x splits stays under this: the partial outputs of a graph
