@@ -70,6 +70,11 @@ class EngineArgs:
     def __post_init__(self):
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.attention_backend == "flashinfer" and self.page_size > 32:
+            # FlashInfer 0.7.2's decode kernel read out of bounds with 64-token pages on an H200 (bf16, head
+            # dim 128, docs/benchmarks.md run Z28), which kills the whole worker; 16 and 32 agreed with triton.
+            raise ValueError(f"the flashinfer backend is verified for page_size <= 32, got {self.page_size}; "
+                             "use --attention-backend triton for larger pages")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("max_total_tokens", "context_length", "chunked_prefill_size", "max_running_requests",

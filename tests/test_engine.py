@@ -363,3 +363,14 @@ def test_a_prompt_is_shared_from_the_cache_as_soon_as_its_first_token_is_out(tin
     assert second.cached_tokens == 64
     drain(engine)
     assert_pool_clean(engine)
+
+
+def test_flashinfer_is_refused_page_sizes_it_was_not_verified_for():
+    """FlashInfer's decode kernel read out of bounds with 64-token pages on the GPU, which would take the whole
+    worker down: such a configuration fails when it is made, with the way out in the message."""
+    from engine.args import EngineArgs
+
+    assert EngineArgs(attention_backend="flashinfer", page_size=32).page_size == 32
+    assert EngineArgs(attention_backend="triton", page_size=64).page_size == 64
+    with pytest.raises(ValueError, match="use --attention-backend triton"):
+        EngineArgs(attention_backend="flashinfer", page_size=64)
