@@ -915,7 +915,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
     ap.add_argument("--tune-decode", action="store_true",
-                    help="the decode kernel's settings for large batches, and the batch-64 step with the fastest")
+                    help="the decode kernel's settings for large batches, each planned as an eager step and as a "
+                         "CUDA graph plans it, and the batch-64 step with the fastest")
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
     ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
