@@ -52,6 +52,9 @@ class ModelRunner:
         self.device = device
         self.vocab = model.config.vocab_size
         self.graphs = graphs  # DecodeGraphs, or None for eager only
+        # (logits, their rows' greedy tokens) of the last step a graph ran, which sample() takes for a
+        # greedy batch instead of reducing the logits again.
+        self._greedy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None):
         """Flat device inputs for a step: (input ids, positions, AttentionInputs, logit rows)."""
@@ -141,10 +144,14 @@ class ModelRunner:
     def forward(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
         a = self.arrays(chunks)
+        self._greedy = None
         if self.graphs is not None and a.is_decode and self.graphs.can_run(a.batch_size, a.max_seq_len):
             if len(a.fill_at) and prev_tokens is None:
                 raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
-            return self.graphs.run(a, prev_tokens)
+            logits, tokens = self.graphs.run(a, prev_tokens)
+            if tokens is not None:
+                self._greedy = (logits, tokens)
+            return logits
         input_ids, positions, attn, logit_rows = self.to_device(a, prev_tokens)
         step = self.backend.plan(attn)
         hidden = self.model(input_ids, positions, step)
@@ -156,6 +163,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, reqs) -> SampleOutput:
         if all(r.params.temperature == 0 and not r.params.has_penalties and r.params.logprobs is None
                and r.num_output + r.pending >= r.params.min_tokens for r in reqs):
-            # Plain greedy batch: no parameters to move to the device.
+            # Plain greedy batch: no parameters to move to the device, and no reduction where the graph that
+            # made these logits already chose the tokens.
+            if self._greedy is not None and self._greedy[0] is logits:
+                return SampleOutput(tokens=self._greedy[1])
             return SampleOutput(tokens=argmax_rows(logits))
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

@@ -36,14 +36,20 @@ def test_graph_buffers_hold_the_eager_step_padded_to_the_bucket(tiny_llama):
             ids, positions, attn, rows = runner.to_device(a, prev)
             assert b == 4
             n, nnz = 3, attn.kv_indices.numel()
-            assert torch.equal(graphs.ids[:n], ids) and torch.equal(graphs.positions[:n], positions)
+            # Every row waits for its token, which the graph's first kernel takes from `sampled`.
+            assert graphs.fill_source[:n].tolist() == a.fill_from.tolist() and graphs.fill_source[n] == -1
+            assert torch.equal(graphs.sampled[:n], prev)
+            assert torch.equal(graphs.positions[:n], positions)
             assert torch.equal(graphs.seq_lens[:n], attn.seq_lens)
             assert torch.equal(graphs.kv_indptr[: n + 1], attn.kv_indptr)
             assert torch.equal(graphs.kv_indices[:nnz], attn.kv_indices)
             # The padding request: token 0 at position 0, one token of context, in page 0 after the real pages.
             assert graphs.ids[n] == 0 and graphs.positions[n] == 0 and graphs.seq_lens[n] == 1
             assert graphs.kv_indptr[n + 1] == nnz + 1 and graphs.kv_indices[nnz] == 0
-            got = graphs._forward(b)[:n]
+            logits, tokens = graphs._forward(b)
+            assert torch.equal(graphs.ids[:n], ids)
             ref = engine.model.compute_logits(engine.model(ids, positions, runner.backend.plan(attn))[rows])
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[:n], ref, rtol=1e-5, atol=1e-5)
+        # The graph ends in each row's greedy token, where the next step's graph reads it.
+        assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens.data_ptr() == graphs.sampled.data_ptr()
         engine.sync()

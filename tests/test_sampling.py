@@ -113,3 +113,48 @@ def test_noise_is_a_function_of_seed_and_step_only():
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("vocab,dtype", [(151936, torch.float32), (65537, torch.float32), (5000, torch.bfloat16)])
+def test_device_argmax_is_torch_argmax_with_its_tie_rule(vocab, dtype):
+    """The greedy kernel a decode graph ends in (run here by Triton's interpreter): ties across chunks and
+    inside one chunk resolve to the first index; a row of -inf is token 0; NaN wins. The same counters serve
+    the next launch."""
+    from kernels.step_tokens import CHUNK, argmax_tokens, counters_for
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    logits[1, [vocab - 3, CHUNK + 5, 1030, 4]] = 40.0  # ties across chunks and inside the first
+    logits[1, 3] = 39.0
+    logits[2] = float("-inf")
+    logits[3, -1] = 50.0
+    logits[4, [17, vocab // 2]] = float("nan")
+    logits[5, :] = 1.0  # all equal: token 0
+    counters = counters_for(8, logits.device)
+    for _ in range(2):
+        got = argmax_tokens(logits, counters)
+        assert got.dtype == torch.int64
+        assert got.tolist() == logits.float().argmax(dim=-1).tolist()
+        assert got[1] == 4 and got[2] == 0 and got[3] == vocab - 1 and got[4] == 17
+        assert counters.eq(0).all()
+
+
+def test_device_argmax_refuses_bad_shapes():
+    from kernels.step_tokens import argmax_tokens, counters_for
+
+    with pytest.raises(ValueError):
+        argmax_tokens(torch.zeros(4), counters_for(4, torch.device("cpu")))
+    with pytest.raises(ValueError):
+        argmax_tokens(torch.zeros(4, 10), counters_for(2, torch.device("cpu")))
+    with pytest.raises(ValueError):
+        argmax_tokens(torch.zeros(10, 4).t(), counters_for(4, torch.device("cpu")))
+
+
+def test_fill_tokens_takes_the_previous_steps_tokens_where_a_row_waits_for_one():
+    from kernels.step_tokens import fill_tokens
+
+    ids = torch.tensor([5, 0, 7, 0, 9], dtype=torch.int64)
+    fill_tokens(ids, torch.tensor([-1, 2, -1, 0, -1]), torch.tensor([11, 12, 13], dtype=torch.int64))
+    assert ids.tolist() == [5, 13, 7, 11, 9]
+    with pytest.raises(ValueError):
+        fill_tokens(ids, torch.tensor([-1, 2]), torch.tensor([11], dtype=torch.int64))

@@ -1,0 +1,116 @@
+"""The tokens a decode graph starts and ends with, each in one launch on the device.
+
+At its start, `fill_tokens` puts the previous step's tokens (still on the device: steps overlap, so the host
+has not read them yet) into the rows of the step's input ids that wait for them. Outside the graph that was
+an index_select and an index_copy_ after the step's input copies.
+
+At its end, `argmax_tokens` picks each row's greedy token: the first index of the row's maximum, as
+torch.argmax picks it. A decode graph used to end in the logits; greedy sampling outside it took five small kernels at the edge of every
+step (two reduction rounds, then the index arithmetic), about 23 us of a 0.6 ms 0.5B step on an H200 (docs/benchmarks.md, runs Z35-Z36). This
+kernel is captured in the graph after the LM head, launched with PDL: program (row, c) reduces chunk c of
+its row (CHUNK tokens) to (largest value, its first index) and the last program of the row to arrive (a counter per row,
+which it resets) picks the first chunk holding the row's maximum. Chunks are taken in order, so ties resolve
+to the smallest index, whichever program arrives last. NaN counts as larger than any number, as in torch;
+a row holding both +inf and a NaN is the one case that may differ (torch takes the NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import pdl
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.pdl import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU installs without triton
+    triton = None
+
+CHUNK = 2048  # tokens a program reads, in one load: a 150k vocabulary is 75 programs a row
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def counters_for(rows: int, device: torch.device) -> torch.Tensor:
+    """The counters a launch of up to `rows` rows needs: zeros, and left at zero by every launch."""
+    return torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+def fill_tokens(ids: torch.Tensor, source: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids[i] = tokens[source[i]] where source[i] >= 0, in place (int64 [B] each; tokens any length)."""
+    if ids.shape != source.shape or ids.dim() != 1 or ids.dtype != torch.int64 or source.dtype != torch.int64 \
+            or tokens.dtype != torch.int64 or not ids.is_contiguous():
+        raise ValueError(f"fill_tokens: ids {tuple(ids.shape)} {ids.dtype}, source {tuple(source.shape)} "
+                         f"{source.dtype}, tokens {tokens.dtype}")
+    on = pdl.enabled(ids) if ids.is_cuda else False
+    opts = dict(launch_pdl=on, num_warps=1) if ids.is_cuda else {}
+    _fill_kernel[(1,)](ids, source, tokens, ids.numel(), BLOCK=max(16, triton.next_power_of_2(ids.numel())), PDL=on,
+                       **opts)
+
+
+def argmax_tokens(logits: torch.Tensor, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] (float32/bf16/fp16, rows contiguous) -> int64 [B] (into `out` if given), equal to
+    logits.argmax(dim=-1)."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"argmax_tokens: logits {tuple(logits.shape)} with strides {logits.stride()}")
+    rows, vocab = logits.shape
+    if counters.dtype != torch.int32 or counters.numel() < rows or counters.device != logits.device:
+        raise ValueError(f"argmax_tokens: {rows} int32 counters on {logits.device} needed")
+    chunks = triton.cdiv(vocab, CHUNK)
+    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"argmax_tokens: out {tuple(out.shape)} {out.dtype} for {rows} rows")
+    on = pdl.enabled(logits) if logits.is_cuda else False
+    opts = dict(launch_pdl=on, num_warps=4) if logits.is_cuda else {}
+    _argmax_kernel[(rows, chunks)](logits, logits.stride(0), vocab, values, index, counters, out,
+                                   CHUNK=CHUNK, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), PDL=on,
+                                   **opts)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _fill_kernel(IDS, SOURCE, TOKENS, B, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        i = tl.arange(0, BLOCK)
+        src = tl.load(SOURCE + i, mask=i < B, other=-1)
+        take = (i < B) & (src >= 0)
+        tl.store(IDS + i, tl.load(TOKENS + tl.maximum(src, 0), mask=take, other=0), mask=take)
+
+    @triton.jit
+    def _argmax_kernel(X, stride_x, V, VALUES, INDEX, COUNTERS, OUT, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                       BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        # The whole chunk in one load: the logits were just written, so this is one round trip to L2.
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + row.to(tl.int64) * stride_x + t, mask=t < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)
+        best = tl.max(x, axis=0)
+        # An all -inf chunk reports its first token, so that an all -inf row is token 0, as in torch.
+        at = c * CHUNK + tl.argmax(x, axis=0, tie_break_left=True)
+        tl.store(VALUES + row * CHUNKS + c, best)
+        tl.store(INDEX + row * CHUNKS + c, at)
+        # Every chunk's result is written before this program counts itself in (release); the last to arrive
+        # reads them from L2 (.cg: never a line its own SM cached before the count).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(COUNTERS + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == CHUNKS - 1:
+            j = tl.arange(0, BLOCK_C)
+            v = tl.load(VALUES + row * CHUNKS + j, mask=j < CHUNKS, other=float("-inf"), cache_modifier=".cg")
+            idx = tl.load(INDEX + row * CHUNKS + j, mask=j < CHUNKS, other=0, cache_modifier=".cg")
+            first = tl.argmax(v, axis=0, tie_break_left=True)
+            tl.store(OUT + row, tl.sum(tl.where(j == first, idx, 0), axis=0).to(tl.int64))
+            tl.store(COUNTERS + row, 0)  # ready for the next launch (a graph replays the same counters)
