@@ -15,9 +15,9 @@ Static layout for bucket b (rows past the real batch are padding):
 The attention step is planned for `max_context` tokens, so contexts beyond it take the eager path.
 Only backends that plan without host synchronisation (triton) can be captured.
 
-The static buffers are views of two blocks, one int64 and one int32, with the page list last. A step fills
-their host mirror (pinned; two of them, used in turn, so that the host writes one while the copy of the other
-may still wait behind the step in flight) and moves it in one copy per block, rather than a copy per buffer:
+The static buffers are views of one block, the int64 fields first and the page list last. A step fills its
+host mirror (pinned; two of them, used in turn, so that the host writes one while the copy of the other may
+still wait behind the step in flight) and moves it in one copy, rather than a copy per buffer or per dtype:
 at batch 1 the host's work for a step is most of what a small model's step costs.
 """
 
@@ -53,8 +53,11 @@ class DecodeGraphs:
         self.max_pages = -(-max_context // pool.page_size)
         dev = pool.device
         mb = max_bs
-        self.longs = torch.zeros(5 * mb, dtype=torch.int64, device=dev)
-        self.ints = torch.zeros(5 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
+        # One int32 block: the int64 fields first (as pairs of int32), then the int32 ones, so that one copy
+        # moves a step's inputs.
+        self._at = 10 * mb  # where the int32 fields start, in int32 words
+        self.block = torch.zeros(self._at + 5 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
+        self.longs, self.ints = self.block[: self._at].view(torch.int64), self.block[self._at:]
         self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_source = self.longs.split(mb)
         # The last step's tokens, which the next step's graph fills into its ids: the greedy tokens a graph
         # chose are written here; a step sampled otherwise has its tokens copied here first.
@@ -63,14 +66,13 @@ class DecodeGraphs:
          self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb * self.max_pages])
         self._kv_at = 5 * mb + 2  # where the page list starts in the int32 block
         pin = dev.type == "cuda"
-        self._mirrors = [(torch.zeros(5 * mb, dtype=torch.int64, pin_memory=pin),
-                          torch.zeros(self.ints.shape[0], dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
-        for _, h32 in self._mirrors:
-            h32[: mb + 1] = torch.arange(mb + 1, dtype=torch.int32)  # qo_indptr: one token per request
+        self._mirrors = [torch.zeros(self.block.shape[0], dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        for h in self._mirrors:
+            h[self._at: self._at + mb + 1] = torch.arange(mb + 1, dtype=torch.int32)  # qo_indptr: one token each
         # The last copy out of each mirror, recorded again at each use.
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
-        self.qo_indptr.copy_(self._mirrors[0][1][: mb + 1])
+        self.qo_indptr.copy_(self._mirrors[0][self._at: self._at + mb + 1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor | None] = {}
@@ -132,10 +134,10 @@ class DecodeGraphs:
         n, nnz, nfill = a.batch_size, len(a.kv_indices), len(a.fill_at)
         b = next(s for s in sorted(self.graphs or buckets(self.max_bs)) if s >= n)
         mb = self.max_bs
-        h64, h32 = self._mirrors[self._turn]
+        h = self._mirrors[self._turn]
         if self._copied is not None:
             self._copied[self._turn].synchronize()  # its last copy has run (long since, as a rule)
-        v64, v32 = h64.numpy(), h32.numpy()
+        v64, v32 = h[: self._at].view(torch.int64).numpy(), h[self._at:].numpy()
         for i, col in enumerate((a.ids, a.positions, a.out_pages, a.out_offsets)):
             v64[i * mb: i * mb + n] = col
             v64[i * mb + n: i * mb + b] = 0
@@ -149,9 +151,8 @@ class DecodeGraphs:
             v32[at + n: at + b] = pad
         v32[self._kv_at: self._kv_at + nnz] = a.kv_indices
         v32[self._kv_at + nnz: self._kv_at + nnz + b - n] = 0
-        self.longs.copy_(h64, non_blocking=True)
-        end = self._kv_at + nnz + b - n
-        self.ints[:end].copy_(h32[:end], non_blocking=True)
+        end = self._at + self._kv_at + nnz + b - n
+        self.block[:end].copy_(h[:end], non_blocking=True)
         if self._copied is not None:
             self._copied[self._turn].record()
         self._turn ^= 1
