@@ -53,3 +53,26 @@ def test_graph_buffers_hold_the_eager_step_padded_to_the_bucket(tiny_llama):
         # The graph ends in each row's greedy token, where the next step's graph reads it.
         assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens.data_ptr() == graphs.sampled.data_ptr()
         engine.sync()
+
+
+def test_a_graph_step_after_a_graph_step_reads_the_tokens_where_the_last_one_left_them(tiny_llama):
+    """A greedy step's tokens are the graph's own `sampled` buffer, passed back as the next step's previous
+    tokens: its first kernel fills each waiting row from the row of `sampled` its request was sampled in."""
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], GREEDY) for i in range(3)]
+    while any(r.num_output < 2 for r in reqs):
+        engine.step()
+    runner = engine.runner
+    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
+    engine.step()
+    chunks = engine.scheduler.schedule()
+    a = runner.arrays(chunks)
+    assert len(a.fill_at) == 3
+    with torch.inference_mode():
+        graphs.sampled.copy_(torch.arange(100, 108))  # what the last replay would have left there
+        b = graphs.stage(a, graphs.sampled[:3])
+        graphs._forward(b)
+        assert graphs.ids[:3].tolist() == [100 + int(j) for j in a.fill_from]
+    engine.sync()
