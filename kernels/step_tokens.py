@@ -31,10 +31,6 @@ except ImportError:  # CPU installs without triton
 CHUNK = 2048  # tokens a program reads, in one load: a 150k vocabulary is 75 programs a row
 
 
-def available(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
-
-
 def counters_for(rows: int, device: torch.device) -> torch.Tensor:
     """The counters a launch of up to `rows` rows needs: zeros, and left at zero by every launch."""
     return torch.zeros(rows, dtype=torch.int32, device=device)
