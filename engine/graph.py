@@ -1,13 +1,16 @@
 """CUDA graphs for decode steps: one graph per bucketed batch size, replayed with padded inputs.
 
 A decode step of a small model is mostly kernel-launch overhead; a graph launches the whole forward at once.
-Captured: the model forward, the LM head and each row's greedy token (kernels/argmax.py) over static input
-buffers. Replay copies the step's inputs into those buffers (padding the batch up to the bucket) and runs the
-graph; a greedy batch takes the graph's tokens, any other is sampled from the logits outside it.
+Captured: the model forward, the LM head and each row's token (kernels/step_tokens.py: greedy, or drawn at the
+row's temperature) over static input buffers. Replay copies the step's inputs into those buffers (padding the
+batch up to the bucket) and runs the graph; a batch whose draws depend on temperature alone takes the graph's
+tokens (engine.sampler.plain_draw), any other is sampled from the logits outside it.
 
 Static layout for bucket b (rows past the real batch are padding):
     ids, positions      [b]           padding: token 0 at position 0
     fill_source         [b]           the row of `sampled` whose token a row waits for, or -1
+    seeds, draws        [b]           each row's draw: its seed, the index of the token drawn
+    temperature         [b]           float32; padding: 0 (greedy)
     out_pages/offsets   [b]           padding: page 0, slot 0 (the reserved page; what lands there is unread)
     kv_indptr           [b+1]         padding requests own one page each, page 0
     kv_indices          [b * max_pages]
@@ -28,7 +31,7 @@ import logging
 import numpy as np
 import torch
 
-from kernels.step_tokens import argmax_tokens, counters_for, fill_tokens
+from kernels.step_tokens import counters_for, fill_tokens, sample_tokens
 from kernels.attention import AttentionInputs
 
 logger = logging.getLogger(__name__)
@@ -40,8 +43,9 @@ def buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    # Whether graphs end in each row's greedy token. It costs a few microseconds in steps that sample
-    # otherwise, and saves about 23 us of small kernels after every greedy one (0.5B on an H200, runs Z35-Z36).
+    # Whether graphs end in each row's token. It costs a few microseconds in steps that sample otherwise
+    # (top-p, penalties, logprobs), and saves about 23 us of small kernels after every greedy step (0.5B on an
+    # H200, runs Z35-Z36) and the whole sampler after a step that only sets temperatures.
     argmax = True
 
     def __init__(self, model, pool, backend, max_bs: int, max_context: int):
@@ -55,16 +59,19 @@ class DecodeGraphs:
         mb = max_bs
         # One int32 block: the int64 fields first (as pairs of int32), then the int32 ones, so that one copy
         # moves a step's inputs.
-        self._at = 10 * mb  # where the int32 fields start, in int32 words
-        self.block = torch.zeros(self._at + 5 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
+        self._at = 14 * mb  # where the int32 fields start, in int32 words
+        self.block = torch.zeros(self._at + 6 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
         self.longs, self.ints = self.block[: self._at].view(torch.int64), self.block[self._at:]
-        self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_source = self.longs.split(mb)
+        (self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_source, self.seeds,
+         self.draws) = self.longs.split(mb)
         # The last step's tokens, which the next step's graph fills into its ids: the greedy tokens a graph
         # chose are written here; a step sampled otherwise has its tokens copied here first.
         self.sampled = torch.zeros(mb, dtype=torch.int64, device=dev)
-        (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens,
-         self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb * self.max_pages])
-        self._kv_at = 5 * mb + 2  # where the page list starts in the int32 block
+        (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens, temperature,
+         self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb, mb * self.max_pages])
+        self.temperature = temperature.view(torch.float32)
+        self._temp_at = 5 * mb + 2
+        self._kv_at = 6 * mb + 2  # where the page list starts in the int32 block
         pin = dev.type == "cuda"
         self._mirrors = [torch.zeros(self.block.shape[0], dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         for h in self._mirrors:
@@ -90,7 +97,8 @@ class DecodeGraphs:
         logits = self.model.compute_logits(self.model(self.ids[:b], self.positions[:b], step))
         if self._argmax_counters is None:
             return logits, None
-        return logits, argmax_tokens(logits, self._argmax_counters, out=self.sampled[:b])
+        return logits, sample_tokens(logits, self._argmax_counters, self.temperature[:b], self.seeds[:b],
+                                     self.draws[:b], out=self.sampled[:b])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -124,6 +132,9 @@ class DecodeGraphs:
             self.out_pages[n:b] = 0
             self.out_offsets[n:b] = 0
             self.fill_source[n:b] = -1
+            self.seeds[n:b] = 0
+            self.draws[n:b] = 0
+            self.temperature[n:b] = 0.0
             self.seq_lens[n:b] = 1
             self.last_len[n:b] = 1
 
@@ -143,12 +154,19 @@ class DecodeGraphs:
             v64[i * mb + n: i * mb + b] = 0
         v64[4 * mb: 4 * mb + b] = -1
         v64[4 * mb + a.fill_at] = a.fill_from
+        draws = len(a.temperature) == n  # (a decode row that does not sample draws greedily; unread)
+        for i, col in ((5, a.seeds), (6, a.draws)):
+            v64[i * mb: i * mb + n] = col if draws else 0
+            v64[i * mb + n: i * mb + b] = 0
         v32[mb + 1: mb + 2 + n] = a.kv_indptr
         v32[mb + 2 + n: mb + 2 + b] = np.arange(nnz + 1, nnz + b - n + 1, dtype=np.int32)
         for i, (col, pad) in enumerate(((a.last_len, 1), (a.seq_lens, 1), (a.prefix_lens, 0))):
             at = 2 * mb + 2 + i * mb
             v32[at: at + n] = col
             v32[at + n: at + b] = pad
+        temps = v32[self._temp_at: self._temp_at + b].view(np.float32)
+        temps[:n] = a.temperature if draws else 0.0
+        temps[n:] = 0.0
         v32[self._kv_at: self._kv_at + nnz] = a.kv_indices
         v32[self._kv_at + nnz: self._kv_at + nnz + b - n] = 0
         end = self._at + self._kv_at + nnz + b - n

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.model import CausalLM
-from engine.sampler import SampleOutput, SamplingBatch, argmax_rows, sample
+from engine.sampler import SampleOutput, SamplingBatch, argmax_rows, draw_index, plain_draw, sample
 from engine.scheduler import Chunk
 from kernels.attention import AttentionInputs
 
@@ -34,6 +34,10 @@ class StepArrays:
     prefix_lens: np.ndarray  # int32 [B]
     max_seq_len: int
     max_extend_len: int
+    # Each sampled row's draw (engine.sampler.draw), for a graph that draws the tokens itself.
+    temperature: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # int64 [S]
+    draws: np.ndarray  # int64 [S]
 
     @property
     def batch_size(self) -> int:
@@ -52,9 +56,9 @@ class ModelRunner:
         self.device = device
         self.vocab = model.config.vocab_size
         self.graphs = graphs  # DecodeGraphs, or None for eager only
-        # (logits, their rows' greedy tokens) of the last step a graph ran, which sample() takes for a
-        # greedy batch instead of reducing the logits again.
-        self._greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (logits, the tokens drawn from them) of the last step a graph ran, which sample() takes for a batch
+        # whose draws depend on temperature alone instead of sampling the logits again.
+        self._graph_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None):
         """Flat device inputs for a step: (input ids, positions, AttentionInputs, logit rows)."""
@@ -69,6 +73,7 @@ class ModelRunner:
         ids: list[int] = []
         qo, kv_ptr, starts, seq_lens, last_len, logit_rows = [0], [0], [], [], [], []
         fill_at, fill_from = [], []
+        temps, seeds, draws = [], [], []
         page_lists = []
         for c in chunks:
             r, s, e = c.req, c.start, c.start + c.length
@@ -89,6 +94,9 @@ class ModelRunner:
             last_len.append(e - (n_pages - 1) * ps)
             if c.samples:
                 logit_rows.append(len(ids) - 1)
+                temps.append(r.params.temperature)
+                seeds.append(r.seed)
+                draws.append(draw_index(r))
         b, n, nlog, nfill = len(chunks), len(ids), len(logit_rows), len(fill_at)
         kv = np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int64, count=kv_ptr[-1])
         if n == b:  # one token a request (decode): at the chunk's start, in the request's last page
@@ -107,7 +115,9 @@ class ModelRunner:
         ints = np.asarray(qo + kv_ptr + last_len + seq_lens + starts, dtype=np.int32)
         return StepArrays(ids_a, pos, out_pages, offsets, rest[:nlog], rest[nlog:nlog + nfill], rest[nlog + nfill:],
                           ints[:b + 1], ints[b + 1:2 * b + 2], kv.astype(np.int32), ints[2 * b + 2:3 * b + 2],
-                          ints[3 * b + 2:4 * b + 2], ints[4 * b + 2:], max(seq_lens), max_extend)
+                          ints[3 * b + 2:4 * b + 2], ints[4 * b + 2:], max(seq_lens), max_extend,
+                          np.asarray(temps, dtype=np.float32), np.asarray(seeds, dtype=np.int64),
+                          np.asarray(draws, dtype=np.int64))
 
     def to_device(self, a: StepArrays, prev_tokens: torch.Tensor | None = None):
         """(input ids, positions, AttentionInputs, logit rows) on the device, for an eager step."""
@@ -144,13 +154,13 @@ class ModelRunner:
     def forward(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
         a = self.arrays(chunks)
-        self._greedy = None
+        self._graph_tokens = None
         if self.graphs is not None and a.is_decode and self.graphs.can_run(a.batch_size, a.max_seq_len):
             if len(a.fill_at) and prev_tokens is None:
                 raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
             logits, tokens = self.graphs.run(a, prev_tokens)
             if tokens is not None:
-                self._greedy = (logits, tokens)
+                self._graph_tokens = (logits, tokens)
             return logits
         input_ids, positions, attn, logit_rows = self.to_device(a, prev_tokens)
         step = self.backend.plan(attn)
@@ -161,11 +171,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampleOutput:
-        if all(r.params.temperature == 0 and not r.params.has_penalties and r.params.logprobs is None
-               and r.num_output + r.pending >= r.params.min_tokens for r in reqs):
-            # Plain greedy batch: no parameters to move to the device, and no reduction where the graph that
-            # made these logits already chose the tokens.
-            if self._greedy is not None and self._greedy[0] is logits:
-                return SampleOutput(tokens=self._greedy[1])
-            return SampleOutput(tokens=argmax_rows(logits))
+        if all(plain_draw(r) for r in reqs):
+            # The graph that made these logits drew the tokens already (greedy or at each row's temperature).
+            if self._graph_tokens is not None and self._graph_tokens[0] is logits:
+                return SampleOutput(tokens=self._graph_tokens[1])
+            if all(r.params.temperature == 0 for r in reqs):  # no parameters to move to the device
+                return SampleOutput(tokens=argmax_rows(logits))
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

@@ -5,7 +5,11 @@ has not read them yet) into the rows of the step's input ids that wait for them.
 an index_select and an index_copy_ after the step's input copies.
 
 At its end, `argmax_tokens` picks each row's greedy token: the first index of the row's maximum, as
-torch.argmax picks it. A decode graph used to end in the logits; greedy sampling outside it took five small kernels at the edge of every
+torch.argmax picks it; `sample_tokens` draws each row's token at its temperature in the same pass (rows at
+temperature 0 stay greedy), by the Gumbel-max rule engine/sampler.py defines: the argmax of
+logits / T - log(-log u), u the counter-based noise of (seed, draw index, token id). The draw is exactly one
+from softmax(logits / T), and the same expression, operation for operation (IEEE division, libdevice's log),
+as the sampler's torch code, so a seeded request draws the same token inside a graph or outside. A decode graph used to end in the logits; greedy sampling outside it took five small kernels at the edge of every
 step (two reduction rounds, then the index arithmetic), about 23 us of a 0.6 ms 0.5B step on an H200 (docs/benchmarks.md, runs Z35-Z36). This
 kernel is captured in the graph after the LM head, launched with PDL: program (row, c) reduces chunk c of
 its row (CHUNK tokens) to (largest value, its first index) and the last program of the row to arrive (a counter per row,
@@ -23,6 +27,8 @@ from kernels import pdl
 try:
     import triton
     import triton.language as tl
+
+    from triton.language.extra import libdevice
 
     from kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs without triton
@@ -51,23 +57,41 @@ def fill_tokens(ids: torch.Tensor, source: torch.Tensor, tokens: torch.Tensor) -
 def argmax_tokens(logits: torch.Tensor, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (float32/bf16/fp16, rows contiguous) -> int64 [B] (into `out` if given), equal to
     logits.argmax(dim=-1)."""
+    return sample_tokens(logits, counters, out=out)
+
+
+def sample_tokens(logits: torch.Tensor, counters: torch.Tensor, temperature: torch.Tensor | None = None,
+                  seeds: torch.Tensor | None = None, draws: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token, int64 [B] (into `out` if given): with `temperature` (float32 [B]), `seeds` and
+    `draws` (int64 [B]: the request's seed, the index of the token drawn), the argmax of
+    logits / T - log(-log u(seed, draw, token)) for rows with T > 0 (engine.sampler.draw) and of the logits
+    for rows with T == 0; without them, logits.argmax(dim=-1)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"argmax_tokens: logits {tuple(logits.shape)} with strides {logits.stride()}")
+        raise ValueError(f"sample_tokens: logits {tuple(logits.shape)} with strides {logits.stride()}")
     rows, vocab = logits.shape
+    sample = temperature is not None
+    if sample and any(t is None or t.shape != (rows,) or t.device != logits.device or not t.is_contiguous()
+                      for t in (temperature, seeds, draws)):
+        raise ValueError(f"sample_tokens: temperature, seeds and draws must each be [{rows}] on {logits.device}")
+    if sample and (temperature.dtype != torch.float32 or seeds.dtype != torch.int64 or draws.dtype != torch.int64):
+        raise ValueError(f"sample_tokens: temperature float32, seeds and draws int64, got {temperature.dtype}, "
+                         f"{seeds.dtype}, {draws.dtype}")
     if counters.dtype != torch.int32 or counters.numel() < rows or counters.device != logits.device:
-        raise ValueError(f"argmax_tokens: {rows} int32 counters on {logits.device} needed")
+        raise ValueError(f"sample_tokens: {rows} int32 counters on {logits.device} needed")
     chunks = triton.cdiv(vocab, CHUNK)
     values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"argmax_tokens: out {tuple(out.shape)} {out.dtype} for {rows} rows")
+        raise ValueError(f"sample_tokens: out {tuple(out.shape)} {out.dtype} for {rows} rows")
     on = pdl.enabled(logits) if logits.is_cuda else False
     opts = dict(launch_pdl=on, num_warps=4) if logits.is_cuda else {}
-    _argmax_kernel[(rows, chunks)](logits, logits.stride(0), vocab, values, index, counters, out,
+    params = (temperature, seeds, draws) if sample else (values, values, values)
+    _argmax_kernel[(rows, chunks)](logits, logits.stride(0), vocab, values, index, counters, out, *params,
                                    CHUNK=CHUNK, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), PDL=on,
-                                   **opts)
+                                   SAMPLE=sample, EXACT=logits.is_cuda, **opts)
     return out
 
 
@@ -83,16 +107,44 @@ if triton is not None:
         tl.store(IDS + i, tl.load(TOKENS + tl.maximum(src, 0), mask=take, other=0), mask=take)
 
     @triton.jit
-    def _argmax_kernel(X, stride_x, V, VALUES, INDEX, COUNTERS, OUT, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                       BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    def _fmix32(h):
+        """murmur3's finaliser on int64 values below 2 ** 32, as engine.sampler._fmix32 computes it."""
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _log(x, EXACT: tl.constexpr):
+        if EXACT:  # the CUDA math library's logf, which torch.log calls (tl.log may lower to an approximation)
+            return libdevice.log(x)
+        return tl.log(x)
+
+    @triton.jit
+    def _argmax_kernel(X, stride_x, V, VALUES, INDEX, COUNTERS, OUT, TEMP, SEEDS, DRAWS, CHUNK: tl.constexpr,
+                       CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, SAMPLE: tl.constexpr,
+                       EXACT: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
+        if SAMPLE:  # the row's parameters (step inputs, written before the graph ran: read before the wait)
+            temp = tl.load(TEMP + row)
+            seed = tl.load(SEEDS + row)
+            key = _fmix32((seed & 0xFFFFFFFF) ^ _fmix32(((seed >> 32) & 0xFFFFFFFF)
+                                                       ^ _fmix32(tl.load(DRAWS + row) & 0xFFFFFFFF)))
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         # The whole chunk in one load: the logits were just written, so this is one round trip to L2.
         t = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(X + row.to(tl.int64) * stride_x + t, mask=t < V, other=float("-inf")).to(tl.float32)
+        if SAMPLE:
+            if temp > 0:
+                # engine.sampler.uniform_noise and draw, term for term.
+                h = _fmix32(key ^ ((t.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF))
+                h = _fmix32(h ^ key)
+                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+                x = tl.math.div_rn(x, temp) - _log(-_log(u, EXACT), EXACT)
         x = tl.where(x != x, float("inf"), x)
         best = tl.max(x, axis=0)
         # An all -inf chunk reports its first token, so that an all -inf row is token 0, as in torch.

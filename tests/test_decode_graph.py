@@ -76,3 +76,37 @@ def test_a_graph_step_after_a_graph_step_reads_the_tokens_where_the_last_one_lef
         graphs._forward(b)
         assert graphs.ids[:3].tolist() == [100 + int(j) for j in a.fill_from]
     engine.sync()
+
+
+def test_a_graph_draws_each_rows_token_at_its_temperature(tiny_llama):
+    """Requests that set only a temperature (and a seed) take their tokens from the graph: it is staged with
+    each row's temperature, seed and draw index, and ends in the tokens the sampler would have drawn from the
+    same logits. Padding rows draw greedily."""
+    from engine.sampler import SamplingBatch, plain_draw, sample
+
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+    params = [SamplingParams(temperature=0.9, seed=3, max_tokens=24), SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=1.4, seed=-5, max_tokens=24)]
+    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], p) for i, p in enumerate(params)]
+    while any(r.num_output < 2 for r in reqs):
+        engine.step()
+    runner = engine.runner
+    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
+    engine.step()
+    prev = engine._inflight.out.tokens
+    chunks = engine.scheduler.schedule()
+    a = runner.arrays(chunks)
+    rows = [c.req for c in chunks]
+    assert all(plain_draw(r) for r in rows)
+    with torch.inference_mode():
+        b = graphs.stage(a, prev)
+        assert graphs.temperature[:4].tolist() == [pytest.approx(r.params.temperature) for r in rows] + [0.0]
+        assert graphs.seeds[:3].tolist() == [r.seed for r in rows]
+        assert graphs.draws[:3].tolist() == [r.num_output + r.pending for r in rows]
+        logits, tokens = graphs._forward(b)
+        expect = sample(logits[:3], SamplingBatch.build(rows, logits.shape[1], "cpu")).tokens
+        assert tokens[:3].tolist() == expect.tolist()
+        assert tokens[3] == logits[3].argmax()
+    engine.sync()

@@ -158,3 +158,66 @@ def test_fill_tokens_takes_the_previous_steps_tokens_where_a_row_waits_for_one()
     assert ids.tolist() == [5, 13, 7, 11, 9]
     with pytest.raises(ValueError):
         fill_tokens(ids, torch.tensor([-1, 2]), torch.tensor([11], dtype=torch.int64))
+
+
+def test_device_draw_is_the_samplers_draw_term_for_term():
+    """The kernel a decode graph ends in draws at each row's temperature (run here by Triton's interpreter):
+    the same tokens as the sampler's torch code for the same (seed, draw index), greedy rows at T = 0, a NaN
+    logit winning as in torch, and the counters left at zero for the next launch."""
+    from engine.sampler import draw
+    from kernels.step_tokens import counters_for, sample_tokens
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 5000, generator=g) * 3
+    logits[3, 100:] = float("-inf")
+    logits[4, 77] = float("nan")
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 2.0])
+    seeds = torch.tensor([1, 2, 3, -(2**62), 5, 2**62 + 7])
+    counters = counters_for(6, logits.device)
+    seen = set()
+    for step in range(3):
+        steps = torch.full((6,), step, dtype=torch.long)
+        got = sample_tokens(logits, counters, temperature, seeds, steps)
+        ref = draw(logits, temperature, seeds, steps)  # (the torch path on a CPU)
+        assert got.tolist() == ref.tolist()
+        assert got[0] == logits[0].argmax() and got[3] < 100 and got[4] == 77 and counters.eq(0).all()
+        seen.add(tuple(got.tolist()))
+    assert len(seen) > 1, "another draw index, other tokens"
+
+
+def test_device_draws_follow_the_softmax_at_the_temperature():
+    from kernels.step_tokens import counters_for, sample_tokens
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0]).repeat(1200, 1)
+    t = 0.8
+    toks = sample_tokens(logits, counters_for(1200, logits.device), torch.full((1200,), t),
+                         torch.arange(1200) % 3, torch.arange(1200) // 3)
+    freq = torch.bincount(toks, minlength=5).float() / toks.numel()
+    assert (freq - (logits[0] / t).softmax(-1)).abs().max() < 0.04 and freq[4] == 0
+
+
+def test_truncation_that_drops_nothing_draws_what_temperature_alone_draws():
+    """top-k over the whole vocabulary takes the truncating path; the draw must not change."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 300, generator=g)
+    plain = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.5), SamplingParams(temperature=0)]
+    wide = [SamplingParams(temperature=0.8, top_k=300), SamplingParams(temperature=1.5, top_k=300),
+            SamplingParams(temperature=0, top_k=5)]
+    a = draw(logits, plain, n=20, seeds=[4, 5, 6])
+    b = draw(logits, wide, n=20, seeds=[4, 5, 6])
+    assert torch.equal(a, b)
+
+
+def test_device_draw_refuses_bad_parameters():
+    from kernels.step_tokens import counters_for, sample_tokens
+
+    logits, counters = torch.zeros(2, 10), counters_for(2, torch.device("cpu"))
+    longs = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError):
+        sample_tokens(logits, counters, torch.ones(3), longs, longs)
+    with pytest.raises(ValueError):
+        sample_tokens(logits, counters, torch.ones(2, dtype=torch.float64), longs, longs)
+    with pytest.raises(ValueError):
+        sample_tokens(logits, counters, torch.ones(2), longs.int(), longs)
+    with pytest.raises(ValueError):
+        sample_tokens(logits, counters, torch.ones(2), None, longs)
