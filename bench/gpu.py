@@ -107,14 +107,18 @@ def prefill_steps(engine: Engine, batch: int, ctx: int) -> int:
     return -(-batch * ctx // (engine.args.chunked_prefill_size or 8192)) + 2
 
 
-def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int, synced: bool = False) -> float:
+def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int, synced: bool = False,
+                     sampling: dict | None = None) -> float:
     """Seconds per decode step with `batch` requests at about `ctx` tokens of context, in steady state: steps
     called back to back, as a server runs them, so that each step's host work (scheduling, page tables)
     overlaps the device work of the step before (Engine.step). synced=True: the median of steps each
-    started on an idle device and waited for, which adds the host work of every step to its time."""
+    started on an idle device and waited for, which adds the host work of every step to its time.
+    `sampling`: SamplingParams fields for the requests (greedy without), a seed given per request."""
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8 + prefill_steps(engine, batch, ctx), ignore_eos=True)
-    reqs = [engine.add_request(random_prompt(ctx, vocab, i), params) for i in range(batch)]
+    fields = dict(temperature=0, max_tokens=steps + 8 + prefill_steps(engine, batch, ctx), ignore_eos=True)
+    fields.update(sampling or {})
+    reqs = [engine.add_request(random_prompt(ctx, vocab, i), SamplingParams(**dict(fields, seed=i)))
+            for i in range(batch)]
     while any(r.num_output == 0 for r in reqs):  # prefill all
         engine.step()
     if synced:
@@ -132,6 +136,17 @@ def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int, synced: b
     for r in reqs:
         engine.abort(r.rid)
     return t
+
+
+def sampled_rows(engine: Engine, label: str, t_greedy: float, rows: list, ctx: int, steps: int) -> None:
+    """Batch-1 steps that sample, against the greedy step: a temperature alone is drawn inside the decode
+    graph; top-p takes the sampler after it."""
+    for name, fields in (("temperature 1", dict(temperature=1.0)),
+                         ("temperature 0.8, top-p 0.95", dict(temperature=0.8, top_p=0.95))):
+        t = decode_step_time(engine, 1, ctx, steps, sampling=fields)
+        rows.append((f"{label} batch-1 decode, {ctx} ctx, sampled at {name}: step ms (greedy ms)", t * 1e3,
+                     t_greedy * 1e3, t_greedy / t, "(for comparison)"))
+        print(rows[-1], flush=True)
 
 
 def step_phases(engine: Engine, batch: int, ctx: int, steps: int) -> dict:
@@ -1017,6 +1032,7 @@ def main() -> None:
                      t_bf16 * 1e3, t_nopdl / t_bf16, "(for comparison)"))
         print(rows[-1], flush=True)
     variant_rows(e, big, bn, t_bf16, rows, ctx1, steps)
+    sampled_rows(e, bn, t_bf16, rows, ctx1, steps)
     # A long context: the decode graphs are planned for the model's whole context, so this replays one too.
     ctx_long = 512 if args.smoke else 32768
     t = decode_step_time(e, 1, ctx_long, steps)
@@ -1099,8 +1115,10 @@ def main() -> None:
     e = engine_for(small, fast, 8192, device, dtype)
     # A 0.5B step is under a millisecond: more of them, so that one slow host moment weighs less.
     steps_small = steps if args.smoke else 200
-    variant_rows(e, small, sn, batch1_row(e, small, sn, ">= 0.60", steps_small), rows, ctx1, steps_small,
+    t_small = batch1_row(e, small, sn, ">= 0.60", steps_small)
+    variant_rows(e, small, sn, t_small, rows, ctx1, steps_small,
                  NARROW_EXPERIMENTS if small.config.hidden_size <= small.fold_max_width else EXPERIMENTS)
+    sampled_rows(e, sn, t_small, rows, ctx1, steps_small)
     del e
     if device.type == "cuda":
         transfer_rows(rows)

@@ -221,3 +221,25 @@ def test_device_draw_refuses_bad_parameters():
         sample_tokens(logits, counters, torch.ones(2), longs.int(), longs)
     with pytest.raises(ValueError):
         sample_tokens(logits, counters, torch.ones(2), None, longs)
+
+
+def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
+    """Against the definition on a sorted row: top-k keeps the k largest; top-p then keeps each token whose
+    higher-ranked tokens (among those) hold less than top_p of their mass. Rows in one batch keep their own
+    settings, and a row at top_p 1 without top-k keeps every token."""
+    from engine.sampler import _top_k_top_p
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 4000, generator=g) * 2
+    params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
+              SamplingParams(), SamplingParams(top_k=1)]
+    b = SamplingBatch.build(reqs(params), 4000, "cpu")
+    got = _top_k_top_p(logits, b)
+    for row, p in enumerate(params):
+        ranked = logits[row].sort(descending=True).values
+        keep = p.top_k or 4000
+        probs = ranked[:keep].softmax(-1)
+        keep = min(keep, int(((probs.cumsum(-1) - probs) < p.top_p).sum()) if p.top_p < 1 else keep)
+        expect = logits[row] >= ranked[keep - 1]
+        assert torch.equal(torch.isfinite(got[row]), expect), p
+        assert torch.equal(got[row][expect], logits[row][expect])
