@@ -10,7 +10,9 @@ Static layout for bucket b (rows past the real batch are padding):
     ids, positions      [b]           padding: token 0 at position 0
     fill_source         [b]           the row of `sampled` whose token a row waits for, or -1
     seeds, draws        [b]           each row's draw: its seed, the index of the token drawn
+    top_k               [b]           padding: 0 (none)
     temperature         [b]           float32; padding: 0 (greedy)
+    top_p, min_p        [b]           float32; padding: 1, 0 (none)
     out_pages/offsets   [b]           padding: page 0, slot 0 (the reserved page; what lands there is unread)
     kv_indptr           [b+1]         padding requests own one page each, page 0
     kv_indices          [b * max_pages]
@@ -31,6 +33,7 @@ import logging
 import numpy as np
 import torch
 
+from engine.sampler import truncated_draw
 from kernels.step_tokens import counters_for, fill_tokens, sample_tokens
 from kernels.attention import AttentionInputs
 
@@ -59,19 +62,19 @@ class DecodeGraphs:
         mb = max_bs
         # One int32 block: the int64 fields first (as pairs of int32), then the int32 ones, so that one copy
         # moves a step's inputs.
-        self._at = 14 * mb  # where the int32 fields start, in int32 words
-        self.block = torch.zeros(self._at + 6 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
+        self._at = 16 * mb  # where the int32 fields start, in int32 words
+        self.block = torch.zeros(self._at + 8 * mb + 2 + mb * self.max_pages, dtype=torch.int32, device=dev)
         self.longs, self.ints = self.block[: self._at].view(torch.int64), self.block[self._at:]
         (self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_source, self.seeds,
-         self.draws) = self.longs.split(mb)
+         self.draws, self.top_k) = self.longs.split(mb)
         # The last step's tokens, which the next step's graph fills into its ids: the greedy tokens a graph
         # chose are written here; a step sampled otherwise has its tokens copied here first.
         self.sampled = torch.zeros(mb, dtype=torch.int64, device=dev)
-        (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens, temperature,
-         self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb, mb * self.max_pages])
-        self.temperature = temperature.view(torch.float32)
-        self._temp_at = 5 * mb + 2
-        self._kv_at = 6 * mb + 2  # where the page list starts in the int32 block
+        (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens, temperature, top_p,
+         min_p, self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb, mb, mb, mb * self.max_pages])
+        self.temperature, self.top_p, self.min_p = (t.view(torch.float32) for t in (temperature, top_p, min_p))
+        self._temp_at = 5 * mb + 2  # then top_p and min_p
+        self._kv_at = 8 * mb + 2  # where the page list starts in the int32 block
         pin = dev.type == "cuda"
         self._mirrors = [torch.zeros(self.block.shape[0], dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         for h in self._mirrors:
@@ -85,6 +88,10 @@ class DecodeGraphs:
         self.tokens: dict[int, torch.Tensor | None] = {}
         self._argmax_counters = counters_for(mb, dev) if self.argmax else None
         self.mempool = None
+        # Per bucket: the graph that draws truncated tokens (top-k, top-p, min-p) from the decode graph's
+        # logits, captured on first use; False where capturing failed (those steps sample eagerly).
+        self.truncating: dict[int, torch.cuda.CUDAGraph | bool] = {}
+        self._bucket = 0  # the bucket of the last replay
 
     def _inputs(self, b: int) -> AttentionInputs:
         return AttentionInputs(self.qo_indptr[: b + 1], self.kv_indptr[: b + 1], self.kv_indices,
@@ -135,6 +142,9 @@ class DecodeGraphs:
             self.seeds[n:b] = 0
             self.draws[n:b] = 0
             self.temperature[n:b] = 0.0
+            self.top_k[n:b] = 0
+            self.top_p[n:b] = 1.0
+            self.min_p[n:b] = 0.0
             self.seq_lens[n:b] = 1
             self.last_len[n:b] = 1
 
@@ -155,7 +165,7 @@ class DecodeGraphs:
         v64[4 * mb: 4 * mb + b] = -1
         v64[4 * mb + a.fill_at] = a.fill_from
         draws = len(a.temperature) == n  # (a decode row that does not sample draws greedily; unread)
-        for i, col in ((5, a.seeds), (6, a.draws)):
+        for i, col in ((5, a.seeds), (6, a.draws), (7, a.top_k)):
             v64[i * mb: i * mb + n] = col if draws else 0
             v64[i * mb + n: i * mb + b] = 0
         v32[mb + 1: mb + 2 + n] = a.kv_indptr
@@ -164,9 +174,10 @@ class DecodeGraphs:
             at = 2 * mb + 2 + i * mb
             v32[at: at + n] = col
             v32[at + n: at + b] = pad
-        temps = v32[self._temp_at: self._temp_at + b].view(np.float32)
-        temps[:n] = a.temperature if draws else 0.0
-        temps[n:] = 0.0
+        for i, (col, pad) in enumerate(((a.temperature, 0.0), (a.top_p, 1.0), (a.min_p, 0.0))):
+            f = v32[self._temp_at + i * mb: self._temp_at + i * mb + b].view(np.float32)
+            f[:n] = col if draws else pad
+            f[n:] = pad
         v32[self._kv_at: self._kv_at + nnz] = a.kv_indices
         v32[self._kv_at + nnz: self._kv_at + nnz + b - n] = 0
         end = self._at + self._kv_at + nnz + b - n
@@ -184,5 +195,41 @@ class DecodeGraphs:
         [batch] (None without `argmax`). Both are the graph's own buffers, rewritten by its next replay."""
         b = self.stage(a, prev_tokens)
         self.graphs[b].replay()
+        self._bucket = b
         tokens = self.tokens[b]
         return self.logits[b][: a.batch_size], None if tokens is None else tokens[: a.batch_size]
+
+    def _truncated(self, b: int) -> None:
+        tokens = truncated_draw(self.logits[b], self.temperature[:b], self.top_k[:b], self.top_p[:b],
+                                self.min_p[:b], self.seeds[:b], self.draws[:b])
+        self.sampled[:b].copy_(tokens)
+
+    @torch.inference_mode()
+    def draw_truncated(self, n: int) -> torch.Tensor | None:
+        """The last replay's first n tokens drawn again after each row's top-k, top-p and min-p
+        (engine.sampler.truncated_draw), into `sampled`, by a graph of its own: eagerly that is some twenty
+        small launches after every step, which made a top-p 0.5B step host-bound. None if this bucket's graph
+        could not be captured (the caller samples eagerly)."""
+        b = self._bucket
+        g = self.truncating.get(b)
+        if g is None:
+            g = self.truncating[b] = self._capture_truncated(b)
+        if g is False:
+            return None
+        g.replay()
+        return self.sampled[:n]
+
+    def _capture_truncated(self, b: int) -> "torch.cuda.CUDAGraph | bool":
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._truncated(b)  # compiles the draw kernel outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                self._truncated(b)
+        except RuntimeError as e:  # (out of memory, or an operation that cannot be captured)
+            logger.warning("no truncated-sampling graph for batch size %d: %s; sampling eagerly", b, e)
+            return False
+        return g

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from engine.model import CausalLM
-from engine.sampler import SampleOutput, SamplingBatch, argmax_rows, draw_index, plain_draw, sample
+from engine.sampler import (SampleOutput, SamplingBatch, argmax_rows, draw_index, plain_draw, sample,
+                            truncating_draw)
 from engine.scheduler import Chunk
 from kernels.attention import AttentionInputs
 
@@ -34,10 +35,13 @@ class StepArrays:
     prefix_lens: np.ndarray  # int32 [B]
     max_seq_len: int
     max_extend_len: int
-    # Each sampled row's draw (engine.sampler.draw), for a graph that draws the tokens itself.
+    # Each sampled row's draw (engine.sampler.truncated_draw), for a graph that draws the tokens itself.
     temperature: np.ndarray  # float32 [S]
     seeds: np.ndarray  # int64 [S]
     draws: np.ndarray  # int64 [S]
+    top_k: np.ndarray  # int64 [S]
+    top_p: np.ndarray  # float32 [S]
+    min_p: np.ndarray  # float32 [S]
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +77,7 @@ class ModelRunner:
         ids: list[int] = []
         qo, kv_ptr, starts, seq_lens, last_len, logit_rows = [0], [0], [], [], [], []
         fill_at, fill_from = [], []
-        temps, seeds, draws = [], [], []
+        temps, seeds, draws, top_k, top_p, min_p = [], [], [], [], [], []
         page_lists = []
         for c in chunks:
             r, s, e = c.req, c.start, c.start + c.length
@@ -97,6 +101,9 @@ class ModelRunner:
                 temps.append(r.params.temperature)
                 seeds.append(r.seed)
                 draws.append(draw_index(r))
+                top_k.append(r.params.top_k)
+                top_p.append(r.params.top_p)
+                min_p.append(r.params.min_p)
         b, n, nlog, nfill = len(chunks), len(ids), len(logit_rows), len(fill_at)
         kv = np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int64, count=kv_ptr[-1])
         if n == b:  # one token a request (decode): at the chunk's start, in the request's last page
@@ -117,7 +124,8 @@ class ModelRunner:
                           ints[:b + 1], ints[b + 1:2 * b + 2], kv.astype(np.int32), ints[2 * b + 2:3 * b + 2],
                           ints[3 * b + 2:4 * b + 2], ints[4 * b + 2:], max(seq_lens), max_extend,
                           np.asarray(temps, dtype=np.float32), np.asarray(seeds, dtype=np.int64),
-                          np.asarray(draws, dtype=np.int64))
+                          np.asarray(draws, dtype=np.int64), np.asarray(top_k, dtype=np.int64),
+                          np.asarray(top_p, dtype=np.float32), np.asarray(min_p, dtype=np.float32))
 
     def to_device(self, a: StepArrays, prev_tokens: torch.Tensor | None = None):
         """(input ids, positions, AttentionInputs, logit rows) on the device, for an eager step."""
@@ -171,10 +179,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampleOutput:
+        from_graph = self._graph_tokens is not None and self._graph_tokens[0] is logits
         if all(plain_draw(r) for r in reqs):
             # The graph that made these logits drew the tokens already (greedy or at each row's temperature).
-            if self._graph_tokens is not None and self._graph_tokens[0] is logits:
+            if from_graph:
                 return SampleOutput(tokens=self._graph_tokens[1])
             if all(r.params.temperature == 0 for r in reqs):  # no parameters to move to the device
                 return SampleOutput(tokens=argmax_rows(logits))
+        elif from_graph and all(truncating_draw(r) for r in reqs):
+            # Top-k / top-p / min-p: a second graph draws from these logits with the parameters the step staged.
+            tokens = self.graphs.draw_truncated(len(reqs))
+            if tokens is not None:
+                return SampleOutput(tokens=tokens)
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

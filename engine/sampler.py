@@ -51,13 +51,38 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, s
     return argmax_rows(torch.where(hot[:, None], score, logits))
 
 
+def truncated_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, use_top_k: bool = True,
+                   use_top_p: bool = True, use_min_p: bool = True) -> torch.Tensor:
+    """One token per row: drawn at the row's temperature after its top-k, top-p and min-p truncation, or the
+    argmax of the logits where the temperature is 0. A row is truncated by its own parameters alone (top_k 0,
+    top_p 1 and min_p 0 truncate nothing, whatever the other rows ask); the flags skip a rule no row asks for.
+    No host synchronisation, so a decode graph can capture it (engine/graph.py)."""
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / temp[:, None]
+    if use_top_k or use_top_p:
+        scaled = _top_k_top_p(scaled, top_k, top_p, use_top_k, use_top_p)
+    if use_min_p:
+        # p < min_p * max p, in logits: below the row's largest by more than -log(min_p) (min_p 0: none).
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    # Truncated rows draw at temperature 1 from the scaled logits: the same draw as at T from the logits.
+    return torch.where(temperature > 0, draw(scaled, torch.ones_like(temp), seeds, steps), argmax_rows(logits))
+
+
 def plain_draw(r) -> bool:
     """Whether request r's next token depends on its temperature alone (and its seed): no truncation, no
     penalties, no logprobs, no stop ids held back by min_tokens. A decode graph draws such tokens itself."""
     p = r.params
     untruncated = p.temperature == 0 or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
-    return (untruncated and not p.has_penalties and p.logprobs is None
-            and r.num_output + r.pending >= p.min_tokens)
+    return untruncated and truncating_draw(r)
+
+
+def truncating_draw(r) -> bool:
+    """Whether request r's next token is a draw from its logits as they are, truncated or not (no penalties,
+    no logprobs, no stop ids held back by min_tokens): a decode graph can draw it (engine.graph)."""
+    p = r.params
+    return not p.has_penalties and p.logprobs is None and r.num_output + r.pending >= p.min_tokens
 
 
 def draw_index(r) -> int:
@@ -188,17 +213,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     elif not (b.use_top_k or b.use_top_p or b.use_min_p):
         tokens = draw(logits, b.temperature, b.seeds, b.steps)
     else:
-        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        scaled = logits / temp[:, None]
-        if b.use_top_k or b.use_top_p:
-            scaled = _top_k_top_p(scaled, b)
-        if b.use_min_p:
-            # p < min_p * max p, in logits: below the row's largest by more than -log(min_p) (min_p 0: none).
-            floor = scaled.amax(dim=-1, keepdim=True) + torch.log(b.min_p)[:, None]
-            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-        # Truncated rows draw at temperature 1 from the scaled logits: the same draw as at T from the logits.
-        tokens = torch.where(b.temperature > 0, draw(scaled, torch.ones_like(temp), b.seeds, b.steps),
-                             argmax_rows(logits))
+        tokens = truncated_draw(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps, b.use_top_k,
+                                b.use_top_p, b.use_min_p)
     out = SampleOutput(tokens=tokens)
     if b.max_logprobs >= 0:
         # Logprobs of the model's own distribution, before penalties and truncation (as vLLM reports them).
@@ -209,17 +225,19 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     return out
 
 
-def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
+                 use_top_p: bool = True) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if b.use_top_k:
-        k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, vocab))
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
         remove |= rank >= k[:, None]
-    if b.use_top_p:
+    if use_top_p:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        # Drop a token once the tokens ranked above it already reach top_p; the first token always stays.
-        remove |= (probs.cumsum(dim=-1) - probs) >= b.top_p[:, None]
+        # Drop a token once the tokens ranked above it already reach top_p; the first token always stays. A row
+        # at top_p 1 drops nothing (its sum's rounding could otherwise reach 1 before the tail).
+        remove |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -105,8 +105,46 @@ def test_a_graph_draws_each_rows_token_at_its_temperature(tiny_llama):
         assert graphs.temperature[:4].tolist() == [pytest.approx(r.params.temperature) for r in rows] + [0.0]
         assert graphs.seeds[:3].tolist() == [r.seed for r in rows]
         assert graphs.draws[:3].tolist() == [r.num_output + r.pending for r in rows]
+        assert graphs.top_k[3] == 0 and graphs.top_p[3] == 1.0 and graphs.min_p[3] == 0.0  # padding: no truncation
         logits, tokens = graphs._forward(b)
         expect = sample(logits[:3], SamplingBatch.build(rows, logits.shape[1], "cpu")).tokens
         assert tokens[:3].tolist() == expect.tolist()
         assert tokens[3] == logits[3].argmax()
+    engine.sync()
+
+
+def test_a_truncating_batch_is_drawn_by_the_graphs_second_pass(tiny_llama):
+    """Top-k, top-p and min-p requests: the step stages each row's truncation with its inputs, and the pass a
+    second graph captures (DecodeGraphs._truncated) draws what the sampler draws from the same logits."""
+    from engine.sampler import SamplingBatch, plain_draw, sample, truncating_draw
+
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+    params = [SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=24),
+              SamplingParams(temperature=1.2, top_p=0.7, seed=4, max_tokens=24),
+              SamplingParams(temperature=0.8, min_p=0.2, seed=5, max_tokens=24),
+              SamplingParams(temperature=0, top_p=0.5, max_tokens=24)]
+    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], p) for i, p in enumerate(params)]
+    while any(r.num_output < 2 for r in reqs):
+        engine.step()
+    runner = engine.runner
+    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
+    engine.step()
+    prev = engine._inflight.out.tokens
+    chunks = engine.scheduler.schedule()
+    a = runner.arrays(chunks)
+    rows = [c.req for c in chunks]
+    assert all(truncating_draw(r) for r in rows) and not all(plain_draw(r) for r in rows)
+    with torch.inference_mode():
+        b = graphs.stage(a, prev)
+        assert b == 4
+        assert graphs.top_k[:4].tolist() == [r.params.top_k for r in rows]
+        assert graphs.top_p[:4].tolist() == [pytest.approx(r.params.top_p) for r in rows]
+        assert graphs.min_p[:4].tolist() == [pytest.approx(r.params.min_p) for r in rows]
+        logits, _ = graphs._forward(b)
+        graphs.logits[b] = logits  # (what capture() keeps as the bucket's output)
+        graphs._truncated(b)
+        expect = sample(logits[:4], SamplingBatch.build(rows, logits.shape[1], "cpu")).tokens
+        assert graphs.sampled[:4].tolist() == expect.tolist()
     engine.sync()

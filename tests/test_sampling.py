@@ -234,7 +234,7 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
     params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
               SamplingParams(), SamplingParams(top_k=1)]
     b = SamplingBatch.build(reqs(params), 4000, "cpu")
-    got = _top_k_top_p(logits, b)
+    got = _top_k_top_p(logits, b.top_k, b.top_p)
     for row, p in enumerate(params):
         ranked = logits[row].sort(descending=True).values
         keep = p.top_k or 4000
@@ -243,3 +243,24 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
         expect = logits[row] >= ranked[keep - 1]
         assert torch.equal(torch.isfinite(got[row]), expect), p
         assert torch.equal(got[row][expect], logits[row][expect])
+
+
+def test_a_rows_truncation_does_not_depend_on_its_neighbours():
+    """A row draws the same token alone as beside rows that truncate (top-k, top-p, min-p): each row is
+    truncated by its own parameters only."""
+    from engine.sampler import truncated_draw
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 3000, generator=g) * 4
+    t = torch.tensor([1.0, 0.7, 1.2, 0.0])
+    k = torch.tensor([0, 40, 0, 0])
+    p = torch.tensor([1.0, 1.0, 0.8, 1.0])
+    m = torch.tensor([0.0, 0.0, 0.0, 0.1])
+    seeds, steps = torch.tensor([1, 2, 3, 4]), torch.tensor([9, 9, 9, 9])
+    together = truncated_draw(logits, t, k, p, m, seeds, steps)
+    for row in range(4):
+        alone = truncated_draw(logits[row:row + 1], t[row:row + 1], k[row:row + 1], p[row:row + 1], m[row:row + 1],
+                               seeds[row:row + 1], steps[row:row + 1], use_top_k=bool(k[row]),
+                               use_top_p=bool(p[row] < 1), use_min_p=bool(m[row] > 0))
+        assert alone.item() == together[row].item(), row
+    assert together[3] == logits[3].argmax()
