@@ -78,27 +78,31 @@ def test_a_graph_step_after_a_graph_step_reads_the_tokens_where_the_last_one_lef
     engine.sync()
 
 
+def staged_step(tiny_llama, params):
+    """An engine whose requests (one per SamplingParams) decode with a step in flight, a DecodeGraphs beside
+    it, and the next decode step's arrays: (engine, graphs, arrays, the in-flight tokens, the step's requests)."""
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], p) for i, p in enumerate(params)]
+    while any(r.num_output < 2 for r in reqs):
+        engine.step()
+    graphs = DecodeGraphs(engine.model, engine.pool, engine.runner.backend, max_bs=8, max_context=512)
+    engine.step()
+    prev = engine._inflight.out.tokens
+    chunks = engine.scheduler.schedule()
+    return engine, graphs, engine.runner.arrays(chunks), prev, [c.req for c in chunks]
+
+
 def test_a_graph_draws_each_rows_token_at_its_temperature(tiny_llama):
     """Requests that set only a temperature (and a seed) take their tokens from the graph: it is staged with
     each row's temperature, seed and draw index, and ends in the tokens the sampler would have drawn from the
     same logits. Padding rows draw greedily."""
     from engine.sampler import SamplingBatch, plain_draw, sample
 
-    path, _ = tiny_llama
-    pytest.importorskip("triton")
-    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
     params = [SamplingParams(temperature=0.9, seed=3, max_tokens=24), SamplingParams(temperature=0, max_tokens=24),
               SamplingParams(temperature=1.4, seed=-5, max_tokens=24)]
-    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], p) for i, p in enumerate(params)]
-    while any(r.num_output < 2 for r in reqs):
-        engine.step()
-    runner = engine.runner
-    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
-    engine.step()
-    prev = engine._inflight.out.tokens
-    chunks = engine.scheduler.schedule()
-    a = runner.arrays(chunks)
-    rows = [c.req for c in chunks]
+    engine, graphs, a, prev, rows = staged_step(tiny_llama, params)
     assert all(plain_draw(r) for r in rows)
     with torch.inference_mode():
         b = graphs.stage(a, prev)
@@ -118,23 +122,11 @@ def test_a_truncating_batch_is_drawn_by_the_graphs_second_pass(tiny_llama):
     second graph captures (DecodeGraphs._truncated) draws what the sampler draws from the same logits."""
     from engine.sampler import SamplingBatch, plain_draw, sample, truncating_draw
 
-    path, _ = tiny_llama
-    pytest.importorskip("triton")
-    engine = Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
     params = [SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=24),
               SamplingParams(temperature=1.2, top_p=0.7, seed=4, max_tokens=24),
               SamplingParams(temperature=0.8, min_p=0.2, seed=5, max_tokens=24),
               SamplingParams(temperature=0, top_p=0.5, max_tokens=24)]
-    reqs = [engine.add_request([5 + i, 9, 11 + i, 40], p) for i, p in enumerate(params)]
-    while any(r.num_output < 2 for r in reqs):
-        engine.step()
-    runner = engine.runner
-    graphs = DecodeGraphs(engine.model, engine.pool, runner.backend, max_bs=8, max_context=512)
-    engine.step()
-    prev = engine._inflight.out.tokens
-    chunks = engine.scheduler.schedule()
-    a = runner.arrays(chunks)
-    rows = [c.req for c in chunks]
+    engine, graphs, a, prev, rows = staged_step(tiny_llama, params)
     assert all(truncating_draw(r) for r in rows) and not all(plain_draw(r) for r in rows)
     with torch.inference_mode():
         b = graphs.stage(a, prev)
