@@ -278,7 +278,9 @@ class Engine:
         for i, req in enumerate(sampling):
             req.pending += 1
             req.pending_row = i
-        host = [t.to("cpu", non_blocking=True) if t is not None else None
+        # A snapshot, read once the step is done: the tokens may be a view of a buffer the next step rewrites
+        # (a decode graph's `sampled`), and on a CPU .to("cpu") would not copy.
+        host = [(t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()) if t is not None else None
                 for t in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
         event = None
         if out.tokens.is_cuda:

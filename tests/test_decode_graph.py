@@ -140,3 +140,50 @@ def test_a_truncating_batch_is_drawn_by_the_graphs_second_pass(tiny_llama):
         expect = sample(logits[:4], SamplingBatch.build(rows, logits.shape[1], "cpu")).tokens
         assert graphs.sampled[:4].tolist() == expect.tolist()
     engine.sync()
+
+
+class InPlaceGraphs(DecodeGraphs):
+    """The decode graphs' path on a CPU, where nothing is captured: each replay runs the forward a graph
+    captures (staging, fill, model, draw) and the truncation pass in place, over the same static buffers."""
+
+    def run(self, a, prev_tokens):
+        b = self.stage(a, prev_tokens)
+        self._bucket = b
+        self.logits[b], tokens = self._forward(b)
+        return self.logits[b][: a.batch_size], tokens[: a.batch_size]
+
+    def draw_truncated(self, n):
+        self._truncated(self._bucket)
+        return self.sampled[:n]
+
+
+def test_graph_steps_across_aborts_and_sampling_modes_draw_what_eager_steps_draw(tiny_llama):
+    """Sets of seeded requests, one sampling mode each (greedy, temperature, top-p, top-k, min-p), each set
+    aborted mid-generation before the next: the graph path (its buffers staged step after step, batches
+    growing and shrinking) draws the same tokens as eager steps, and every token is in the vocabulary."""
+    from engine.graph import buckets
+
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engines = [Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+               for _ in range(2)]
+    g = InPlaceGraphs(engines[0].model, engines[0].pool, engines[0].runner.backend, max_bs=8, max_context=512)
+    g.graphs = {b: None for b in buckets(8)}
+    engines[0].runner.graphs = g
+    modes = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.9, top_p=0.8),
+             dict(temperature=1.1, top_k=7), dict(temperature=0.8, min_p=0.1)]
+    outs = []
+    for engine in engines:
+        out = []
+        for m, kw in enumerate(modes):
+            reqs = [engine.add_request([5 + i + m, 9, 11 + 2 * i, 40 + m], SamplingParams(
+                seed=10 * m + i, max_tokens=24, ignore_eos=True, **kw)) for i in range(3 + m % 2)]
+            while any(r.num_output < 6 for r in reqs):
+                engine.step()
+            engine.sync()
+            out.append([list(r.output_ids) for r in reqs])
+            for r in reqs:
+                engine.abort(r.rid)
+        outs.append(out)
+        assert all(0 <= t < engine.config.vocab_size for o in out for ids in o for t in ids)
+    assert outs[0] == outs[1]
