@@ -153,6 +153,8 @@ class DecodeGraphs:
         returns the bucket. Padding requests are token 0 at position 0, each owning one page, page 0 (the
         reserved page; what lands there is unread), listed after the real pages."""
         n, nnz, nfill = a.batch_size, len(a.kv_indices), len(a.fill_at)
+        if len(a.temperature) != n:
+            raise ValueError(f"a graph step samples every row: {n} rows, {len(a.temperature)} sampled")
         b = next(s for s in sorted(self.graphs or buckets(self.max_bs)) if s >= n)
         mb = self.max_bs
         h = self._mirrors[self._turn]
@@ -164,9 +166,8 @@ class DecodeGraphs:
             v64[i * mb + n: i * mb + b] = 0
         v64[4 * mb: 4 * mb + b] = -1
         v64[4 * mb + a.fill_at] = a.fill_from
-        draws = len(a.temperature) == n  # (a decode row that does not sample draws greedily; unread)
         for i, col in ((5, a.seeds), (6, a.draws), (7, a.top_k)):
-            v64[i * mb: i * mb + n] = col if draws else 0
+            v64[i * mb: i * mb + n] = col
             v64[i * mb + n: i * mb + b] = 0
         v32[mb + 1: mb + 2 + n] = a.kv_indptr
         v32[mb + 2 + n: mb + 2 + b] = np.arange(nnz + 1, nnz + b - n + 1, dtype=np.int32)
@@ -176,7 +177,7 @@ class DecodeGraphs:
             v32[at + n: at + b] = pad
         for i, (col, pad) in enumerate(((a.temperature, 0.0), (a.top_p, 1.0), (a.min_p, 0.0))):
             f = v32[self._temp_at + i * mb: self._temp_at + i * mb + b].view(np.float32)
-            f[:n] = col if draws else pad
+            f[:n] = col
             f[n:] = pad
         v32[self._kv_at: self._kv_at + nnz] = a.kv_indices
         v32[self._kv_at + nnz: self._kv_at + nnz + b - n] = 0

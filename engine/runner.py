@@ -163,7 +163,10 @@ class ModelRunner:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
         a = self.arrays(chunks)
         self._graph_tokens = None
-        if self.graphs is not None and a.is_decode and self.graphs.can_run(a.batch_size, a.max_seq_len):
+        # A graph draws a token for every row: a step where a one-token chunk of a prompt samples nothing (a
+        # small prefill budget beside decodes) runs eagerly.
+        if (self.graphs is not None and a.is_decode and len(a.logit_rows) == a.batch_size
+                and self.graphs.can_run(a.batch_size, a.max_seq_len)):
             if len(a.fill_at) and prev_tokens is None:
                 raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
             logits, tokens = self.graphs.run(a, prev_tokens)

@@ -187,3 +187,28 @@ def test_graph_steps_across_aborts_and_sampling_modes_draw_what_eager_steps_draw
         outs.append(out)
         assert all(0 <= t < engine.config.vocab_size for o in out for ids in o for t in ids)
     assert outs[0] == outs[1]
+
+
+def test_a_step_of_one_token_chunks_that_do_not_all_sample_is_not_a_graph_step(tiny_llama):
+    """With a small prefill budget, a prompt can advance one token at a time beside decoding requests: every
+    chunk is one token long, but the prompt's chunk samples nothing. The graph draws a token for every row,
+    so such a step must run eagerly; the tokens must be those of an engine without graphs."""
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engines = [Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton",
+                      chunked_prefill_size=4) for _ in range(2)]
+    g = InPlaceGraphs(engines[0].model, engines[0].pool, engines[0].runner.backend, max_bs=8, max_context=512)
+    g.graphs = {b: None for b in (1, 2, 4, 8)}
+    engines[0].runner.graphs = g
+    outs = []
+    for engine in engines:
+        reqs = [engine.add_request([5 + i, 9, 11 + i], SamplingParams(temperature=0.8, seed=i, max_tokens=12,
+                                                                      ignore_eos=True)) for i in range(3)]
+        while any(r.num_output < 2 for r in reqs):
+            engine.step()
+        reqs.append(engine.add_request(list(range(20, 32)), SamplingParams(temperature=0.8, seed=9, max_tokens=4,
+                                                                            ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]
