@@ -17,7 +17,8 @@ Static layout for bucket b (rows past the real batch are padding):
     kv_indptr           [b+1]         padding requests own one page each, page 0
     kv_indices          [b * max_pages]
     seq_lens            [b]           padding: 1
-The attention step is planned for `max_context` tokens, so contexts beyond it take the eager path.
+The attention step is planned for `max_context` tokens, so contexts beyond it take the eager path, as do
+steps where a row samples nothing (a one-token prompt chunk beside decodes): a graph draws for every row.
 Only backends that plan without host synchronisation (triton) can be captured.
 
 The static buffers are views of one block, the int64 fields first and the page list last. A step fills its
