@@ -158,8 +158,8 @@ class InPlaceGraphs(DecodeGraphs):
 
 
 def test_graph_steps_across_aborts_and_sampling_modes_draw_what_eager_steps_draw(tiny_llama):
-    """Sets of seeded requests, one sampling mode each (greedy, temperature, top-p, top-k, min-p), each set
-    aborted mid-generation before the next: the graph path (its buffers staged step after step, batches
+    """Sets of seeded requests, one sampling mode each (greedy, temperature, top-p, top-k, min-p, and the modes
+    sampled after the graph: a penalty, logprobs, min_tokens), each set aborted mid-generation before the next: the graph path (its buffers staged step after step, batches
     growing and shrinking) draws the same tokens as eager steps, and every token is in the vocabulary."""
     from engine.graph import buckets
 
@@ -171,7 +171,9 @@ def test_graph_steps_across_aborts_and_sampling_modes_draw_what_eager_steps_draw
     g.graphs = {b: None for b in buckets(8)}
     engines[0].runner.graphs = g
     modes = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.9, top_p=0.8),
-             dict(temperature=1.1, top_k=7), dict(temperature=0.8, min_p=0.1)]
+             dict(temperature=1.1, top_k=7), dict(temperature=0.8, min_p=0.1),
+             dict(temperature=0.7, repetition_penalty=1.3), dict(temperature=0.9, logprobs=2),
+             dict(temperature=1.0, min_tokens=5)]
     outs = []
     for engine in engines:
         out = []
@@ -211,4 +213,26 @@ def test_a_step_of_one_token_chunks_that_do_not_all_sample_is_not_a_graph_step(t
         while engine.has_work():
             engine.step()
         outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]
+
+
+def test_graph_steps_through_retractions_draw_what_eager_steps_draw(tiny_llama):
+    """A pool too small for every request at once: the newest are retracted and recomputed later, and the
+    graph path's batches shrink and grow around them. Seeded draws must match an engine without graphs."""
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engines = [Engine(model_path=path, max_total_tokens=128, page_size=8, attention_backend="triton")
+               for _ in range(2)]
+    g = InPlaceGraphs(engines[0].model, engines[0].pool, engines[0].runner.backend, max_bs=8, max_context=512)
+    g.graphs = {b: None for b in (1, 2, 4, 8)}
+    engines[0].runner.graphs = g
+    outs = []
+    for engine in engines:
+        reqs = [engine.add_request([5 + i, 9, 11 + i] * 4, SamplingParams(temperature=0.9, seed=i, max_tokens=16,
+                                                                          ignore_eos=True)) for i in range(5)]
+        while engine.has_work():
+            engine.step()
+        outs.append([r.output_ids for r in reqs])
+        assert all(len(o) == 16 for o in outs[-1])
+    assert all(e.scheduler.num_retracted > 0 for e in engines), "the pool must be too small"
     assert outs[0] == outs[1]
