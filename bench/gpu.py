@@ -858,6 +858,47 @@ def diagnose(device, dtype) -> None:
     os.environ.pop("PDSERVE_PDL")
 
 
+SAMPLING_MODES = {"greedy": dict(temperature=0), "temperature 1": dict(temperature=1.0),
+                  "top-p 0.95": dict(temperature=0.8, top_p=0.95), "top-k 50": dict(temperature=0.8, top_k=50),
+                  "min-p 0.05": dict(temperature=0.8, min_p=0.05),
+                  "repetition penalty 1.2": dict(temperature=0.8, repetition_penalty=1.2),
+                  "logprobs 2": dict(temperature=0.8, logprobs=2)}
+
+
+def sampling_aborts(device, dtype, smoke: bool) -> None:
+    """Sets of seeded requests, one sampling mode each, aborted mid-generation before the next set, at batch 1
+    and 8, on the 0.5B shape: through CUDA-graph steps and through eager steps. Prints each set as it ends
+    (so a failure names its set; run with CUDA_LAUNCH_BLOCKING=1 to name the kernel), then whether every set
+    drew the same tokens both ways and stayed inside the vocabulary."""
+    cfg = dict(SMOKE_CONFIG) if smoke else json.load(open(os.path.join(HERE, "configs", "qwen2.5-0.5b.json")))
+    model = build(cfg, device, dtype)
+    ctx, new = (64, 12) if smoke else (1024, 33)
+    outs = {}
+    for graphs in (True, False):
+        e = engine_for(model, "triton" if device.type == "cuda" else "torch", 16384, device, dtype, graphs=graphs)
+        outs[graphs] = []
+        for batch in (1, 8):
+            for rnd in range(3):
+                for name, fields in SAMPLING_MODES.items():
+                    reqs = [e.add_request(random_prompt(ctx, cfg["vocab_size"], 100 * rnd + i), SamplingParams(
+                        seed=1000 * rnd + i, max_tokens=new + 8, ignore_eos=True, **fields)) for i in range(batch)]
+                    while any(r.num_output < new for r in reqs):
+                        e.step()
+                    e.sync()
+                    ids = [list(r.output_ids) for r in reqs]
+                    ok = all(0 <= t < cfg["vocab_size"] for o in ids for t in o)
+                    print(f"  graphs={graphs} batch {batch} round {rnd} {name}: {'ok' if ok else 'TOKEN OUT OF RANGE'}",
+                          flush=True)
+                    outs[graphs].append(ids)
+                    for r in reqs:
+                        e.abort(r.rid)
+        del e
+        gc.collect()
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    print_table([("seeded sets through CUDA-graph steps, aborted mid-generation: sets equal to eager steps",
+                  same, len(outs[False]), same / len(outs[False]), "== 1 (check)")])
+
+
 def profile_host(device, dtype, smoke: bool) -> None:
     """Where the host's time goes in eager steps (no CUDA graph): Python's profile of 8B batch-1 decode steps
     and of 128-token prefills, by own time. An eager step takes several times its device time, and prefill
@@ -935,6 +976,8 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
     ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
+    ap.add_argument("--sampling-aborts", action="store_true",
+                    help="sets of requests in every sampling mode, aborted mid-generation: graph steps vs eager")
     ap.add_argument("--tune-gemv", nargs="?", const="", default=None, metavar="SHAPE",
                     help="time the one-token GEMV's launch configurations (on the shapes whose name contains SHAPE)")
     ap.add_argument("--pd-tokenizer", default=None,
@@ -960,6 +1003,8 @@ def main() -> None:
         return diagnose(device, dtype)
     if args.profile_host:
         return profile_host(device, dtype, args.smoke)
+    if args.sampling_aborts:
+        return sampling_aborts(device, dtype, args.smoke)
     if args.only_transfers:
         rows = []
         transfer_rows(rows)
