@@ -52,6 +52,13 @@ class StepArrays:
         return self.max_extend_len == 1
 
 
+def _host_block(parts: list[np.ndarray], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The arrays end to end in one host tensor (pinned if asked)."""
+    out = torch.empty(sum(len(p) for p in parts), dtype=dtype, pin_memory=pin)
+    np.concatenate(parts, out=out.numpy())
+    return out
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool, backend, device: torch.device, graphs=None):
         self.model = model
@@ -130,13 +137,15 @@ class ModelRunner:
     def to_device(self, a: StepArrays, prev_tokens: torch.Tensor | None = None):
         """(input ids, positions, AttentionInputs, logit rows) on the device, for an eager step."""
         n, bsz, npages, nlog, nfill = len(a.ids), a.batch_size, len(a.kv_indices), len(a.logit_rows), len(a.fill_at)
-        # Two host-to-device copies per step (one per dtype) instead of one per array.
-        longs = torch.from_numpy(np.concatenate([a.ids, a.positions, a.out_pages, a.out_offsets, a.logit_rows,
-                                                 a.fill_at, a.fill_from]))
-        ints = torch.from_numpy(np.concatenate([a.qo_indptr, a.kv_indptr, a.kv_indices, a.last_len, a.seq_lens,
-                                                a.prefix_lens]))
-        longs = longs.to(self.device, non_blocking=True)
-        ints = ints.to(self.device, non_blocking=True)
+        # Two host-to-device copies per step (one per dtype) instead of one per array, from pinned memory on a
+        # GPU: an asynchronous copy out of pageable memory may wait for the stream first, and it leaves the
+        # host buffer's lifetime to the driver's staging. torch's caching host allocator keeps a pinned buffer
+        # until its copy has run.
+        pin = self.device.type == "cuda"
+        longs = _host_block([a.ids, a.positions, a.out_pages, a.out_offsets, a.logit_rows, a.fill_at, a.fill_from],
+                            torch.int64, pin).to(self.device, non_blocking=True)
+        ints = _host_block([a.qo_indptr, a.kv_indptr, a.kv_indices, a.last_len, a.seq_lens, a.prefix_lens],
+                           torch.int32, pin).to(self.device, non_blocking=True)
         lo = np.cumsum([0, n, n, n, n, nlog, nfill, nfill])
         input_ids = longs[lo[0]:lo[1]]
         if nfill:
