@@ -29,14 +29,23 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) to float32 strictly inside (0, 1): (k + 0.5) / 2**23, k their top 23 bits.
+    Not 24 bits: the largest, 1 - 2**-25, rounds to 1.0 in float32, whose Gumbel noise -log(-log 1) is +inf.
+    One token in 2**24 then won its row's draw whatever its probability, and a token truncation had set to
+    -inf became NaN, which wins an argmax: about one sampled token in a hundred (a 150k vocabulary), out of
+    the vocabulary altogether on the device, whose last chunk pads the row with -inf."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1), [B, vocab], a pure function of (seed, step, token id)."""
+    """u in (0, 1) (unit_interval), [B, vocab], a pure function of (seed, step, token id)."""
     seeds = seeds.long()
     key = _fmix32((seeds & _M32) ^ _fmix32(((seeds >> 32) & _M32) ^ _fmix32(steps.long() & _M32)))
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     h = _fmix32(key[:, None] ^ ((idx * 0x9E3779B1) & _M32)[None, :])
     h = _fmix32(h ^ key[:, None])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(h)
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

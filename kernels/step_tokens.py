@@ -143,9 +143,10 @@ if triton is not None:
                 # engine.sampler.uniform_noise and draw, term for term.
                 h = _fmix32(key ^ ((t.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF))
                 h = _fmix32(h ^ key)
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+                u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))  # engine.sampler.unit_interval
                 x = tl.math.div_rn(x, temp) - _log(-_log(u, EXACT), EXACT)
-        x = tl.where(x != x, float("inf"), x)
+        # NaN wins, as in torch; lanes past the vocabulary never do, whatever their noise.
+        x = tl.where(t < V, tl.where(x != x, float("inf"), x), float("-inf"))
         best = tl.max(x, axis=0)
         # An all -inf chunk reports its first token, so that an all -inf row is token 0, as in torch.
         at = c * CHUNK + tl.argmax(x, axis=0, tie_break_left=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import SamplingBatch, argmax_rows, sample, uniform_noise
+from engine.sampler import SamplingBatch, argmax_rows, sample, uniform_noise, unit_interval
 from engine.sampling_params import SamplingParams
 
 
@@ -106,6 +106,27 @@ def test_noise_is_a_function_of_seed_and_step_only():
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], a[1])
     assert 0 < a.min() and a.max() < 1
     assert abs(a.mean().item() - 0.5) < 0.03
+    ends = unit_interval(torch.tensor([0, 2**32 - 1]))  # the smallest and largest hash
+    assert 0 < ends[0] and ends[1] < 1 and torch.isfinite(-torch.log(-torch.log(ends))).all()
+
+
+def test_a_draw_never_takes_a_token_its_noise_cannot_give():
+    """The Gumbel noise stays finite. When it could round to u = 1 (+inf noise), the rows below drew that token
+    whatever its logit: a finite one over a token 30 above it, a -inf one (NaN wins an argmax), and on the device
+    a lane past the vocabulary, which its last chunk pads with -inf (seeds 1, 15, 150, 156 and 171 at the first
+    draw over 151,936 tokens; 11958, 15260 and 26165 over 1000). A token 30 above the rest, beside -inf and
+    zeros, must win each row, in the sampler's torch code and in the kernel a decode graph ends in."""
+    from engine.sampler import draw
+    from kernels.step_tokens import counters_for, sample_tokens
+
+    for vocab, seeds in ((151936, [0, 1, 15, 150, 156, 171]), (1000, [11958, 15260, 26165])):
+        n = len(seeds)
+        logits = torch.zeros(n, vocab)
+        logits[:, 1::2] = float("-inf")
+        logits[:, 10] = 30.0
+        args = (torch.ones(n), torch.tensor(seeds), torch.zeros(n, dtype=torch.long))
+        assert draw(logits, *args).tolist() == [10] * n
+        assert sample_tokens(logits, counters_for(n, logits.device), *args).tolist() == [10] * n
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_k", -3), ("n", 2),
