@@ -66,8 +66,8 @@ def close(a, b, tol):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40)],
-                         ids=["gqa4", "mha", "window"])
+@pytest.mark.parametrize("cfg", [config(), config(heads=4, kv_heads=4, head_dim=64), config(window=40),
+                                 config(heads=14, kv_heads=2, head_dim=64)], ids=["gqa4", "mha", "window", "gqa7"])
 @pytest.mark.parametrize("regime", ["few-requests", "many-requests"])
 def test_decode_matches_reference(cfg, layout, regime, monkeypatch):
     from kernels.attention.triton_backend import TritonBackend
