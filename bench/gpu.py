@@ -138,6 +138,38 @@ def decode_step_time(engine: Engine, batch: int, ctx: int, steps: int, synced: b
     return t
 
 
+def draw_rows(rows: list, device, smoke: bool) -> None:
+    """The draw kernel a decode graph ends in, on the device: its tokens against the sampler's torch formula
+    computed on the same device (random rows, temperatures, 64-bit seeds and draw indices), and rows where one
+    token stands 30 above zeros and -inf (half the vocabulary, as truncation leaves it) must all draw it. The
+    second failed about one row in eighty while the noise could round to u = 1 (engine.sampler.unit_interval)."""
+    from engine.sampler import draw, uniform_noise, argmax_rows
+
+    vocab, n, batches = (1000, 64, 2) if smoke else (151936, 256, 16)
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(n, vocab, device=device, generator=g) * 4
+    temp = torch.rand(n, device=device, generator=g) * 1.5
+    temp[::7] = 0
+    seeds = torch.randint(-2**62, 2**62, (n,), device=device, generator=g)
+    steps = torch.randint(0, 5000, (n,), device=device, generator=g)
+    got = draw(logits, temp, seeds, steps)
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    score = logits / t[:, None] - torch.log(-torch.log(uniform_noise(seeds, steps, vocab)))
+    same = int((got == argmax_rows(torch.where((temp > 0)[:, None], score, logits))).sum())
+    rows.append((f"device draw against the sampler's torch formula, {n} rows of {vocab} tokens: rows equal", same, n,
+                 same / n, "== 1 (check)"))
+    kept = 0
+    peaked = torch.zeros(n, vocab, device=device)
+    peaked[:, 1::2] = float("-inf")
+    peaked[:, 10] = 30.0
+    for i in range(batches):
+        rs = torch.arange(i * n, (i + 1) * n, device=device)
+        kept += int((draw(peaked, torch.ones(n, device=device), rs, torch.zeros_like(rs)) == 10).sum())
+    rows.append((f"draws at T 1 from rows where one token stands 30 above zeros and -inf, {batches * n} seeds: "
+                 f"rows drawing it", kept, batches * n, kept / (batches * n), "== 1 (check)"))
+    print(rows[-2:], flush=True)
+
+
 def sampled_rows(engine: Engine, label: str, t_greedy: float, rows: list, ctx: int, steps: int) -> None:
     """Batch-1 steps that sample, against the greedy step: a temperature alone is drawn inside the decode
     graph; top-p takes the sampler after it."""
@@ -1037,6 +1069,7 @@ def main() -> None:
             return json.load(f)
 
     bn, sn = ("smoke", "smoke") if args.smoke else ("8B", "0.5B")
+    draw_rows(rows, device, args.smoke)
     big = build(load("llama-3.1-8b.json"), device, dtype)
     ctx1, ctx2, batch, steps = (64, 128, 4, 5) if args.smoke else (1024, 2048, 64, 30)
     for b, (err, norm) in correctness(big, backends, device, dtype).items():
