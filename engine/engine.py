@@ -82,7 +82,8 @@ class Engine:
             from engine.graph import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.pool, attn, min(args.cuda_graph_max_bs, args.running_limit),
-                                  min(args.cuda_graph_max_context or self.max_model_len, self.max_model_len))
+                                  min(args.cuda_graph_max_context or self.max_model_len, self.max_model_len),
+                                  max_rows=args.running_limit)
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, attn, self.device, graphs)
         eos = set(self.config.eos_token_ids)

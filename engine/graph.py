@@ -52,7 +52,7 @@ class DecodeGraphs:
     # H200, runs Z35-Z36) and the whole sampler after a step that only sets temperatures.
     argmax = True
 
-    def __init__(self, model, pool, backend, max_bs: int, max_context: int):
+    def __init__(self, model, pool, backend, max_bs: int, max_context: int, max_rows: int | None = None):
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -69,8 +69,10 @@ class DecodeGraphs:
         (self.ids, self.positions, self.out_pages, self.out_offsets, self.fill_source, self.seeds,
          self.draws, self.top_k) = self.longs.split(mb)
         # The last step's tokens, which the next step's graph fills into its ids: the greedy tokens a graph
-        # chose are written here; a step sampled otherwise has its tokens copied here first.
-        self.sampled = torch.zeros(mb, dtype=torch.int64, device=dev)
+        # chose are written here; a step sampled otherwise has its tokens copied here first. That step may be
+        # an eager one with more rows than the largest graph (a prefill beside many decodes), hence max_rows:
+        # the most tokens a step samples (the running-request limit).
+        self.sampled = torch.zeros(max(mb, max_rows or 0), dtype=torch.int64, device=dev)
         (self.qo_indptr, self.kv_indptr, self.last_len, self.seq_lens, self.prefix_lens, temperature, top_p,
          min_p, self.kv_indices) = self.ints.split([mb + 1, mb + 1, mb, mb, mb, mb, mb, mb, mb * self.max_pages])
         self.temperature, self.top_p, self.min_p = (t.view(torch.float32) for t in (temperature, top_p, min_p))
@@ -188,6 +190,9 @@ class DecodeGraphs:
             self._copied[self._turn].record()
         self._turn ^= 1
         if nfill and prev_tokens.data_ptr() != self.sampled.data_ptr():
+            if prev_tokens.numel() > self.sampled.numel():
+                raise ValueError(f"the previous step sampled {prev_tokens.numel()} tokens; a graph step can take "
+                                 f"them from at most {self.sampled.numel()}")
             self.sampled[: prev_tokens.numel()].copy_(prev_tokens)  # (the graph reads them from there)
         return b
 

@@ -175,7 +175,8 @@ class ModelRunner:
         # A graph draws a token for every row: a step where a one-token chunk of a prompt samples nothing (a
         # small prefill budget beside decodes) runs eagerly.
         if (self.graphs is not None and a.is_decode and len(a.logit_rows) == a.batch_size
-                and self.graphs.can_run(a.batch_size, a.max_seq_len)):
+                and self.graphs.can_run(a.batch_size, a.max_seq_len)
+                and (prev_tokens is None or prev_tokens.numel() <= self.graphs.sampled.numel())):
             if len(a.fill_at) and prev_tokens is None:
                 raise RuntimeError("a chunk needs a token of the previous step, which is not in flight")
             logits, tokens = self.graphs.run(a, prev_tokens)

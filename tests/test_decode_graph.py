@@ -216,6 +216,39 @@ def test_a_step_of_one_token_chunks_that_do_not_all_sample_is_not_a_graph_step(t
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("rows", ["running limit", "largest graph"])
+def test_a_graph_step_after_an_eager_step_with_more_rows_than_the_largest_graph(tiny_llama, rows):
+    """Six prompts prefilled in one eager step sample six tokens; two are aborted while that step is in flight,
+    and the four left decode in a graph step of at most four rows, taking their tokens from rows 2-5 of the
+    eager step's. The graphs hold as many previous tokens as a step can sample (the running-request limit, as
+    the engine builds them); graphs holding fewer run that step eagerly. Either way the tokens are those of
+    an engine without graphs."""
+    path, _ = tiny_llama
+    pytest.importorskip("triton")
+    engines = [Engine(model_path=path, max_total_tokens=4096, page_size=8, attention_backend="triton")
+               for _ in range(2)]
+    limit = engines[0].args.running_limit if rows == "running limit" else None
+    g = InPlaceGraphs(engines[0].model, engines[0].pool, engines[0].runner.backend, max_bs=4, max_context=512,
+                      max_rows=limit)
+    g.graphs = {b: None for b in (1, 2, 4)}
+    engines[0].runner.graphs = g
+    staged = []
+    real_stage = g.stage
+    g.stage = lambda a, prev: staged.append(a.batch_size) or real_stage(a, prev)
+    outs = []
+    for engine in engines:
+        reqs = [engine.add_request([5 + i, 9, 11 + i], SamplingParams(temperature=0.8, seed=i, max_tokens=10,
+                                                                      ignore_eos=True)) for i in range(6)]
+        engine.step()  # the six prefills, in flight
+        for r in reqs[:2]:
+            engine.abort(r.rid)
+        while engine.has_work():
+            engine.step()
+        outs.append([r.output_ids for r in reqs[2:]])
+    assert outs[0] == outs[1] and all(len(o) == 10 for o in outs[0])
+    assert len(staged) == (9 if limit else 8), "every decode step in a graph, but the first one eager without room"
+
+
 def test_graph_steps_through_retractions_draw_what_eager_steps_draw(tiny_llama):
     """A pool too small for every request at once: the newest are retracted and recomputed later, and the
     graph path's batches shrink and grow around them. Seeded draws must match an engine without graphs."""
