@@ -83,8 +83,10 @@ def _decode_split_kernel(
             valid = t < end
             row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
             old = (valid & (t < seq_len - 1))[:, None] & dmask
-            k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0)
-            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0)
+            # Widened to the query's dtype at once: k and v are carried into the loop below, which loads them
+            # widened (an FP8 pool; its scale is 1.0), and a loop-carried value keeps one type.
+            k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0).to(Q.dtype.element_ty)
+            v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0).to(Q.dtype.element_ty)
             tn = t + BLOCK_N
             page = tl.load(indices + page_base + tn // PAGE, mask=tn < end, other=0).to(tl.int64)
         if PDL:
@@ -102,10 +104,10 @@ def _decode_split_kernel(
         if EARLY_KV:
             if start + BLOCK_N >= seq_len:  # the step's token is in this tile
                 new = (t == seq_len - 1)[:, None] & dmask
-                k = tl.where(new, tl.load(KV + row[:, None] + d[None, :], mask=new, other=0.0), k)
-                v = tl.where(new, tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=new, other=0.0), v)
-            # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
-            m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
+                k = tl.where(new, tl.load(KV + row[:, None] + d[None, :], mask=new, other=0.0).to(q.dtype), k)
+                v = tl.where(new, tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=new, other=0.0).to(q.dtype),
+                             v)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
             first = start + BLOCK_N
         for t0 in range(first, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
