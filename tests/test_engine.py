@@ -374,3 +374,21 @@ def test_flashinfer_is_refused_page_sizes_it_was_not_verified_for():
     assert EngineArgs(attention_backend="triton", page_size=64).page_size == 64
     with pytest.raises(ValueError, match="use --attention-backend triton"):
         EngineArgs(attention_backend="flashinfer", page_size=64)
+
+
+def test_flashinfer_is_refused_models_whose_head_groups_its_decode_kernel_lacks():
+    """FlashInfer's decode kernel stopped the worker at the first decode step of a model with seven query heads
+    per KV head (Qwen2.5-0.5B): such a model is refused when the backend is made, before any request, and the
+    error names the way out. Llama-3.1-8B's four passes; SmolLM2-135M's three is not among the sizes verified
+    and is refused too."""
+    from engine.config import ModelConfig
+    from kernels.attention.flashinfer_backend import check_supported
+
+    def cfg(heads, kv_heads):
+        return ModelConfig("llama", 100, heads * 64, 64, 1, heads, kv_heads, 64, 4096, 1e-6, 1e4)
+
+    check_supported(cfg(32, 8))
+    check_supported(cfg(8, 8))
+    for heads, kv in ((14, 2), (9, 3)):
+        with pytest.raises(ValueError, match="use --attention-backend triton"):
+            check_supported(cfg(heads, kv))

@@ -11,10 +11,24 @@ import torch
 from kernels.attention.base import AttentionBackend, AttentionInputs, AttentionStep
 
 _WORKSPACE_BYTES = 256 << 20
+# Query heads per KV head that FlashInfer's decode kernel is compiled for in every release we know of. 0.7.2
+# raised "Unsupported group_size: 7" at the first decode step of the Qwen2.5-0.5B shape (14 query heads, 2 KV
+# heads) on an H200, which stopped the worker mid-request; such models are refused when the backend is made.
+DECODE_GROUP_SIZES = (1, 2, 4, 8)
+
+
+def check_supported(config) -> None:
+    """Raise ValueError, naming the alternative, for a model FlashInfer's decode kernel cannot run."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    if group not in DECODE_GROUP_SIZES:
+        raise ValueError(f"the flashinfer backend decodes {list(DECODE_GROUP_SIZES)} query heads per KV head; "
+                         f"this model has {group} ({config.num_attention_heads} / {config.num_key_value_heads}): "
+                         "use --attention-backend triton")
 
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, pool, config):
+        check_supported(config)
         super().__init__(pool, config)
         import flashinfer
 
