@@ -28,7 +28,8 @@ SHAPES = {"8B qkv": (6144, 4096, None), "8B qkv + rope (PDSERVE_FUSE_ROPE)": (61
           "8B o": (4096, 4096, None), "8B gate_up + SiLU": (28672, 4096, "glu"), "8B down": (4096, 14336, None),
           "0.5B qkv": (1152, 896, None), "0.5B qkv + rope (PDSERVE_FUSE_ROPE)": (1152, 896, "rope"),
           "0.5B o": (896, 896, None), "0.5B gate_up + SiLU": (9728, 896, "glu"), "0.5B down": (896, 4864, None),
-          # The folded norms (PDSERVE_FOLD_NORMS): the residual adds write the stream's squares, the norms read them.
+          # The folded norms (PDSERVE_FOLD_NORMS): the residual adds write the stream's squares and the stream
+          # times the next norm's weight (a float32 token), which the norms' projections read.
           "8B qkv + rope, norm from squares": (6144, 4096, "rope+sq"), "8B o + residual, squares": (4096, 4096, "res"),
           "8B gate_up + SiLU, norm from squares": (28672, 4096, "glu+sq"),
           "8B down + residual, squares": (4096, 14336, "res"),
@@ -48,11 +49,12 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     bn, bk, warps, stages, split, ahead = G.launch_of(G.config(n, k, torch.device("cuda"), 1 if fp8 else 2, norm,
                                                                glu=glu))
     hq, hkv, dim = HEADS[n] if rope else (1, 1, 2)
-    # A folded norm as the model runs it by default: its scale from the squares the residual add left.
-    flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, NORM_W=norm, SQ_IN=512 if norm else 0,
-                 SQ_OUT=res, GLU=glu, ADD_TO_OUT=res, PDL=True, BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv,
+    # A folded norm as the model runs it by default: its scale from the squares the residual add left, the
+    # token already times the norm's weight.
+    flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, NORM_W=False, SQ_IN=512 if norm else 0,
+                 SQ_OUT=res, TOKEN_OUT=res, GLU=glu, ADD_TO_OUT=res, PDL=True, BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv,
                  HALF=dim // 2, KV_FP8=False)
-    types = {"X": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
+    types = {"X": "*bf16", "TOK": "*fp32", "TOK_NW": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
              "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "SQ": "*fp32", "SQ_N": "i32", "R_COS": "*bf16",
              "R_SIN": "*bf16", "R_KV": "*bf16", "R_PAGE": "*i64", "R_SLOT": "*i64", "r_sp": "i32", "r_skv": "i32",
              "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}

@@ -739,6 +739,8 @@ EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("1", "norms folded into the GEMV"),
 NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own (the default folds them at this width)"),
                       "PDSERVE_NORM_SQUARES": ("0", "folded norms gather the sum of squares in their own GEMV "
                                                     "(the default takes it from the residual add's)"),
+                      "PDSERVE_NORM_TOKEN": ("0", "folded norms multiply by their weight in the K loop (by default "
+                                                  "the residual add before leaves the token times it)"),
                       "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
 
 

@@ -43,3 +43,11 @@ class Env:
         stream's sum of squares for the next norm, so qkv_proj and gate_up_proj need not gather it
         (PDSERVE_NORM_SQUARES, default 1; 0 gathers it in their K loop)."""
         return os.environ.get("PDSERVE_NORM_SQUARES", "1") != "0"
+
+    @staticmethod
+    def norm_token() -> bool:
+        """Where the residual adds leave the sum of squares (PDSERVE_NORM_SQUARES), they also leave the stream
+        times the next norm's weight, in the stream's dtype, and that norm's projection reads it in place of
+        the stream, so no GEMV program multiplies by the norm's weight (PDSERVE_NORM_TOKEN, default 1; 0
+        multiplies in the K loop)."""
+        return os.environ.get("PDSERVE_NORM_TOKEN", "1") != "0"

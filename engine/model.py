@@ -105,13 +105,15 @@ class Linear(nn.Linear):
     reduction kernel. `glu=True` (gate_up_proj): the output is silu(gate) * up, fused into the GEMV."""
 
     def forward(self, x: torch.Tensor, glu: bool = False, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None, rope=None, squares: TokenSquares | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, rope=None, squares: TokenSquares | None = None,
+                next_norm: RMSNorm | None = None) -> torch.Tensor:
         """`norm`, `residual`, `rope` and `squares` (one token; CausalLM decided the GEMV runs): project
         norm(x), add the projection to `residual` in place and return it, or rotate and store q, k, v
         (kernels/gemv.py)."""
         if norm is not None or residual is not None or rope is not None:
             return gemv(x, self.weight, bias=self.bias, glu=glu, norm=None if norm is None else (norm.weight, norm.eps),
-                        residual=residual, rope=rope, squares=squares)
+                        residual=residual, rope=rope, squares=squares,
+                        next_norm=None if next_norm is None else next_norm.weight)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, glu=glu)
         y = F.linear(x, self.weight, self.bias)
@@ -133,7 +135,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin, attn, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None, fuse_rope: bool = False,
-                squares: TokenSquares | None = None) -> torch.Tensor:
+                squares: TokenSquares | None = None, next_norm: RMSNorm | None = None) -> torch.Tensor:
         """`norm`/`residual`: the folded one-token path (DecoderLayer.forward_folded); `fuse_rope`: rope and
         the KV store in the qkv GEMV (CausalLM.fuses_rope)."""
         c = self.config
@@ -152,7 +154,7 @@ class Attention(nn.Module):
             # Rope on q and k heads together, fused with storing k and v where a kernel is available.
             out = attn.forward_rope(qk, v, cos_sin, c.num_attention_heads, self.layer_id)
         if residual is not None:
-            return self.o_proj(out.reshape(n, c.q_size), residual=residual, squares=squares)
+            return self.o_proj(out.reshape(n, c.q_size), residual=residual, squares=squares, next_norm=next_norm)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, c.q_size)))
 
 
@@ -165,10 +167,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                squares: TokenSquares | None = None):
+                squares: TokenSquares | None = None, next_norm: RMSNorm | None = None):
         if residual is not None:  # the folded one-token path
             return self.down_proj(self.gate_up_proj(x, glu=True, norm=norm, squares=squares), residual=residual,
-                                  squares=squares)
+                                  squares=squares, next_norm=next_norm)
         return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x, glu=True)))
 
 
@@ -188,14 +190,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def forward_folded(self, stream: torch.Tensor, cos_sin, attn, fuse_rope: bool = False,
-                       squares: TokenSquares | None = None) -> None:
+                       squares: TokenSquares | None = None, next_norm: RMSNorm | None = None) -> None:
         """One token, one GPU: the norms fold into qkv_proj and gate_up_proj, the residual adds into o_proj and
         down_proj, which update `stream` in place; four kernels for the projections, none for the norms.
         With `squares`, o_proj and down_proj also leave the stream's sum of squares, which the next norm uses
-        instead of gathering it in its projection's K loop."""
+        instead of gathering it in its projection's K loop, and the stream times the next norm's weight
+        (`next_norm`: the next layer's input norm, None after the last layer), which that norm's projection
+        reads in place of the stream."""
         self.self_attn(stream, cos_sin, attn, norm=self.input_layernorm, residual=stream, fuse_rope=fuse_rope,
-                       squares=squares)
-        self.mlp(stream, norm=self.post_attention_layernorm, residual=stream, squares=squares)
+                       squares=squares, next_norm=self.post_attention_layernorm)
+        self.mlp(stream, norm=self.post_attention_layernorm, residual=stream, squares=squares, next_norm=next_norm)
 
 
 class CausalLM(nn.Module):
@@ -222,9 +226,12 @@ class CausalLM(nn.Module):
         fuse_rope = self.fuses_rope(x)
         if self.folds(x):
             # x is the embedding lookup's own tensor, so it can carry the residual stream in place.
-            squares = TokenSquares.new(x.device) if Env.norm_squares() else None
-            for layer in self.layers:
-                layer.forward_folded(x, cos_sin, attn, fuse_rope, squares)
+            squares = None
+            if Env.norm_squares():
+                squares = TokenSquares.new(x.device, width=x.shape[1] if Env.norm_token() else 0, token_dtype=x.dtype)
+            for i, layer in enumerate(self.layers):
+                following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+                layer.forward_folded(x, cos_sin, attn, fuse_rope, squares, following)
             return self.norm.add_norm(x, None)[0]
         residual = None
         for layer in self.layers:
@@ -236,7 +243,9 @@ class CausalLM(nn.Module):
     fold_norms: bool | None = None
     # Folding pays where the projections are small, so that the norm kernels' launches weigh more than the
     # work the fold adds to every GEMV program: the 0.5B shape (896 wide) gained 5-7 % on an H200, the 8B
-    # (4096) lost 5 %, FP8 weights lost more. Widths in between are unmeasured and do not fold.
+    # (4096) lost 5 %, FP8 weights lost more. Widths in between are unmeasured and do not fold. Those figures
+    # are from before the residual adds left the token times the norm's weight (PDSERVE_NORM_TOKEN), which
+    # takes the fold's per-element work out of the GEMV programs; the wide shapes are not yet timed with it.
     fold_max_width = 1024
 
     def folds(self, x: torch.Tensor) -> bool:

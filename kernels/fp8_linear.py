@@ -50,13 +50,14 @@ class Fp8Linear(nn.Module):
                                                      device=q.device), persistent=False)
 
     def forward(self, x: torch.Tensor, glu: bool = False, norm=None,
-                residual: torch.Tensor | None = None, rope=None, squares=None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, rope=None, squares=None, next_norm=None) -> torch.Tensor:
         """glu=True: silu(gate) * up of the output's halves (fused into the one-token kernel); `norm` (an
         RMSNorm), `residual` and `rope`: the one-token paths, as engine.model.Linear takes them."""
         if norm is not None or residual is not None or rope is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, glu=glu,
                         norm=None if norm is None else (norm.weight, norm.eps), residual=residual,
-                        counters=self.counters, rope=rope, squares=squares)
+                        counters=self.counters, rope=rope, squares=squares,
+                        next_norm=None if next_norm is None else next_norm.weight)
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
             return gemv(x, self.weight_t.t(), self.scale.view(-1), self.bias, glu=glu, counters=self.counters)
         y = self._matmul(x)

@@ -32,7 +32,12 @@ adds the projection to r in place (rounded to r's dtype, as the separate add is)
 the next norm takes its scale from them instead of gathering it in the K loop: it requests them right after
 the PDL wait and adds them after the loop, so the wait for them hides behind the weight stream, and the K loop
 does no work for the norm but the multiply by its weight (0.5B step 0.666 against 0.706 ms in run Z7b, 0.700
-against 0.703 in Z8).
+against 0.703 in Z8). Given `next_norm=weight` as well, the residual add leaves the updated stream times that
+weight in `squares.token`, and the GEMV that folds that norm reads the token in place of the stream: its K
+loop then does no work for the norm at all. The multiply in the K loop ran in every program, once per weight
+element it met; here it runs once per element of the stream. A token in the stream's dtype adds one rounding
+(of x * weight, where the separate norm kernel rounds its output); a float32 token gives the K loop's numbers
+exactly.
 
 `rope=RopeTarget` (one-token steps, unless PDSERVE_FUSE_ROPE=0) folds kernels/rope.py's rope_store into qkv_proj: the
 rows of each head pair d with d + D/2, and the finished pairs are rotated and stored as rope_store stores
@@ -67,20 +72,30 @@ class TokenSquares:
     """The residual stream's sum of squares, as `count` partial sums at the start of `buf` (float32): written
     by a GEMV that adds into the stream (`residual=`, one per program), read by the next one that folds a norm
     (`norm=`), which adds them. count is 0 until a GEMV has written them, or when that GEMV ran more programs
-    than `buf` holds (at most 1024): the reader then gathers the sum from the token itself."""
+    than `buf` holds (at most 1024): the reader then gathers the sum from the token itself.
+
+    `token` (float32, the stream's width, or None): the updated stream times the next norm's weight, written
+    beside the stream by the same GEMV when it is given `next_norm=`; `token_norm` is that weight. A GEMV
+    that folds this very norm then reads `token` instead of the stream, so its K loop does no per-element
+    work for the norm at all (the weight multiply, done there, ran once per program for each element)."""
     buf: torch.Tensor
     count: int = 0
+    token: torch.Tensor | None = None
+    token_norm: torch.Tensor | None = None
 
     @staticmethod
-    def new(device: torch.device, size: int = 1024) -> "TokenSquares":
-        return TokenSquares(torch.empty(size, dtype=torch.float32, device=device))
+    def new(device: torch.device, size: int = 1024, width: int = 0,
+            token_dtype: torch.dtype = torch.float32) -> "TokenSquares":
+        token = torch.empty(width, dtype=token_dtype, device=device) if width else None
+        return TokenSquares(torch.empty(size, dtype=torch.float32, device=device), token=token)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, glu: bool = False, launch: tuple | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          counters: torch.Tensor | None = None, rope: RopeTarget | None = None,
-         squares: TokenSquares | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         squares: TokenSquares | None = None, out_dtype: torch.dtype | None = None,
+         next_norm: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] times w [N, K] (row-major), times scale [N] if given, plus bias [N]: [1, N] in x's dtype (or
     out_dtype: float32 logits are stored as summed, never rounded to x's dtype on the way), or
     with `glu` silu(first half) * (second half), [1, N/2]. `norm` and `residual`: see the module's docstring.
@@ -88,7 +103,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     block, for launches that split K (they are left at zero); without them a split launch allocates its own
     (one more kernel, a memset). `rope`: returns the rotated q [1, Hq, D] (see the module's docstring).
     `squares` (TokenSquares): with `residual`, each program also writes the sum of squares of the rows it
-    updated; with `norm`, the norm's scale comes from the sums the last such GEMV wrote, not from x."""
+    updated; with `norm`, the norm's scale comes from the sums the last such GEMV wrote, not from x.
+    `next_norm` (with `residual` and `squares`): also write squares.token, the updated stream times this
+    weight, which a GEMV folding that norm reads in place of x."""
     n, k = w.shape
     paired = glu or rope is not None
     if (x.shape != (1, k) or w.stride(1) != 1 or (paired and (n % 2 or residual is not None)) or (glu and rope)
@@ -129,25 +146,32 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     blocks = triton.cdiv(n, bn)
     norm_w, eps = norm if norm is not None else (w, 0.0)
     sq_in = norm is not None and squares is not None and squares.count > 0
+    # The token the previous GEMV left already scaled by this norm's weight: read in place of x.
+    token_in = _reads_token(norm, squares)
     sq_out = residual is not None and squares is not None and blocks <= min(squares.buf.numel(), 1024)
     if squares is not None and (squares.buf.dtype != torch.float32 or squares.buf.device != x.device):
         raise ValueError(f"gemv: squares must be float32 on {x.device}")
+    token_out = sq_out and next_norm is not None and squares.token is not None
+    if token_out and (squares.token.shape != (n,) or next_norm.shape != (n,)):
+        raise ValueError(f"gemv: squares.token and next_norm must be [{n}]")
     if residual is not None and squares is not None:
         squares.count = blocks if sq_out else 0
+        squares.token_norm = next_norm if token_out else None
     sq_buf = squares.buf if squares is not None else w
-    args = (x, w, scale if scale is not None else w, bias if bias is not None else w,
+    args = (squares.token if token_in else x, w, scale if scale is not None else w, bias if bias is not None else w,
             norm_w, out, n, k, w.stride(0), eps, sq_buf,
             squares.count if sq_in else 0)
+    tok_args = (squares.token, next_norm) if token_out else (w, w)
     if paired and bn < 2:
         raise ValueError(f"gemv: glu and rope need programs of at least two rows (a pair), launch {launch}")
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None and not sq_in,
-                 NORM_W=norm is not None, SQ_IN=triton.next_power_of_2(squares.count) if sq_in else 0,
-                 SQ_OUT=sq_out, GLU=glu,
+                 NORM_W=norm is not None and not token_in, SQ_IN=triton.next_power_of_2(squares.count) if sq_in else 0,
+                 SQ_OUT=sq_out, TOKEN_OUT=token_out, GLU=glu,
                  ADD_TO_OUT=residual is not None, PDL=pdl.enabled(x) if x.is_cuda else False, BLOCK_N=bn,
                  BLOCK_K=bk, **rope_flags)
     opts = dict(launch_pdl=flags["PDL"], num_warps=warps, num_stages=stages) if x.is_cuda else {}
     if not e4m3:
-        _gemv_kernel[(blocks,)](*args, *rope_args, **flags, **opts)
+        _gemv_kernel[(blocks,)](*args, *rope_args, *tok_args, **flags, **opts)
         return out
     # Four weights to a word (see _gemv_e4m3_kernel); widened by PTX on a GPU.
     if split > 1:
@@ -158,10 +182,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         work = torch.empty(split * (blocks * bn + 1), dtype=torch.float32, device=x.device)
     else:
         counters = work = w
-    args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, *args[9:], *rope_args, work, counters)
+    args = args[:1] + (w.view(torch.int32),) + args[2:8] + (w.stride(0) // 4, *args[9:], *rope_args, *tok_args, work, counters)
     even = n % bn == 0 and k % (bk * split) == 0  # (paired rows: n/2 pairs in programs of bn/2)
     _gemv_e4m3_kernel[(blocks, split)](*args, **flags, **opts, PTX=x.is_cuda, EVEN=even, SPLIT=split, AHEAD=ahead)
     return out
+
+
+def _reads_token(norm, squares: TokenSquares | None) -> bool:
+    return (norm is not None and squares is not None and squares.count > 0 and squares.token is not None
+            and squares.token_norm is norm[0])
 
 
 def launch_of(launch: tuple) -> tuple[int, int, int, int, int, int]:
@@ -193,7 +222,8 @@ def config(n: int, k: int, device: torch.device, element_size: int = 2, norm: bo
             return 8, 1024, 4, 2, 1, 2
         # 0.5B down 0.24-0.25 (S1-S3)
         return (4, 2048, 4, 2) if k >= 4 * n else (8, 1024, 4, 2)
-    if k >= 4096 and n >= 4 * k and glu and not norm:  # gate_up + SiLU: 0.95-0.96 against 0.92-0.93 (S2, S3)
+    # gate_up + SiLU: 0.95-0.96 against 0.92-0.93 (S2, S3); folded, its norm's weight is in the token it reads
+    if k >= 4096 and n >= 4 * k and glu:
         return 8, 1024, 4, 2
     if k >= 4096 and n >= 4 * k and not norm:  # gate_up alone: 0.98 of the copy ceiling against 0.96
         return 2, 2048, 2, 2
@@ -226,11 +256,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
-                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit,
+                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW,
                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
                      ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                     KV_FP8: tl.constexpr, NORM_W: tl.constexpr, SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr):
+                     KV_FP8: tl.constexpr, NORM_W: tl.constexpr, SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr,
+                     TOKEN_OUT: tl.constexpr):
         pid = tl.program_id(0)
         rn = _rows(pid, N, BLOCK_N, GLU, ROPE, HALF)
         rk = tl.arange(0, BLOCK_K)
@@ -263,14 +294,14 @@ if triton is not None:
         if SQ_IN > 0:
             sqs = tl.sum(sq_parts, axis=0)
         _finish(tl.sum(acc, axis=1), sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE,
-                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT)
+                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)
 
     @triton.jit
     def _finish(y, sq, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
                 R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
-                SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr):
+                SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOK, TOK_NW, TOKEN_OUT: tl.constexpr):
         """The finished rows y (weight rows rn): the folded norm's scale (sq: the token's
         sum of squares), the weights' scale, the bias, then the activation, rope and the KV store, or the
         residual add; stored."""
@@ -302,6 +333,11 @@ if triton is not None:
                     # projection folds (SQ_IN), so that it need not gather it from the token itself.
                     f = tl.where(rn < N, y.to(tl.float32), 0.0)
                     tl.store(SQ + pid, tl.sum(f * f, axis=0))
+                if TOKEN_OUT:
+                    # The next norm's weight applied here, once per element, rather than in every program
+                    # of the GEMV that folds it.
+                    nw = tl.load(TOK_NW + rn, mask=rn < N, other=0.0).to(tl.float32)
+                    tl.store(TOK + rn, (y.to(tl.float32) * nw).to(TOK.dtype.element_ty), mask=rn < N)
             tl.store(OUT + rn, y, mask=rn < N)
 
     @triton.jit
@@ -394,14 +430,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
-                          R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit,
+                          R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW,
                           WORK, COUNTERS, PTX: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                           KV_FP8: tl.constexpr, AHEAD: tl.constexpr, NORM_W: tl.constexpr,
-                          SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr):
+                          SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOKEN_OUT: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
@@ -485,7 +521,7 @@ if triton is not None:
                         sqs += tl.load(WORK + SPLIT * PN + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
                 _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU,
-                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT)
+                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)
         else:
             _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
-                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT)
+                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)

@@ -88,18 +88,20 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models):
     assert_pool_clean(engine)
 
 
-@pytest.mark.parametrize("squares", ["1", "0"], ids=["squares", "gathered"])
+@pytest.mark.parametrize("squares,token", [("1", "1"), ("1", "0"), ("0", "1")], ids=["token", "squares", "gathered"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, squares, tiny_models,
-                                                                                   monkeypatch):
+def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, squares, token,
+                                                                                   tiny_models, monkeypatch):
     """The GPU's batch-1 path (engine.model.DecoderLayer.forward_folded: no norm kernels, residual adds in
     the projections' GEMV), run here by the Triton interpreter; each norm's scale from the sums of squares
-    o_proj and down_proj leave (PDSERVE_NORM_SQUARES=1, the default) or gathered by its own GEMV."""
+    o_proj and down_proj leave (PDSERVE_NORM_SQUARES=1, the default) or gathered by its own GEMV, and its
+    weight applied by the residual add before (PDSERVE_NORM_TOKEN=1, the default) or in the K loop."""
     pytest.importorskip("triton")
     from engine.model import CausalLM
 
     monkeypatch.setattr(CausalLM, "fold_norms", True)
     monkeypatch.setenv("PDSERVE_NORM_SQUARES", squares)
+    monkeypatch.setenv("PDSERVE_NORM_TOKEN", token)
     path, hf = tiny_models[family]
     engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
     seen = record_logits(engine)
@@ -108,6 +110,33 @@ def test_one_token_steps_with_norms_folded_into_the_projections_match_transforme
     ref = hf_logits(hf, full)[len(req.prompt_ids) - 1: len(full) - 1]
     assert rel_err(torch.stack(seen[req.rid]), ref) < 1e-4
     assert_pool_clean(engine)
+
+
+def test_a_float32_token_scaled_by_the_residual_add_gives_the_k_loops_numbers_exactly(tiny_models, monkeypatch):
+    """PDSERVE_NORM_TOKEN moves the norm weight's multiply from the folded GEMV's K loop to the residual add
+    before it: in float32 the same products, so the same logits to the bit, step after step."""
+    pytest.importorskip("triton")
+    import kernels.gemv as gemv_module
+    from engine.model import CausalLM
+
+    monkeypatch.setattr(CausalLM, "fold_norms", True)
+    path, _ = tiny_models[FAMILIES[0]]
+    reads = []
+    reads_token = gemv_module._reads_token
+    monkeypatch.setattr(gemv_module, "_reads_token", lambda *a: reads.append(reads_token(*a)) or reads[-1])
+    runs = []
+    for token in ("1", "0"):
+        monkeypatch.setenv("PDSERVE_NORM_TOKEN", token)
+        engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
+        assert engine.model.embed_tokens.weight.dtype == torch.float32
+        seen = record_logits(engine)
+        (req,) = run(engine, [PROMPTS[0]], steps=4)
+        runs.append(torch.stack(seen[req.rid]))
+        # Every folded norm but the first layer's reads the token when there is one, none when there is not.
+        layers = engine.model.config.num_hidden_layers
+        assert reads.count(True) == (3 * (2 * layers - 1) if token == "1" else 0)  # 3 one-token steps
+        reads.clear()
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_one_token_steps_fold_the_norms_by_default_only_in_narrow_models_with_16_bit_weights(tiny_llama,

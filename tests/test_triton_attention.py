@@ -468,6 +468,21 @@ def test_gemv_norm_reads_the_sum_of_squares_the_residual_add_left(weights):
     normed, _ = add_rms_norm(r, None, norm_w, 1e-6, fused=False)
     assert close(gathered, gemv(normed, w_in, scale_in, launch=launch), 1e-5)
 
+    # With next_norm, the residual add also leaves the stream times that norm's weight, and the GEMV that folds
+    # the same norm reads it in place of the stream: the same numbers again. A norm of another weight does not.
+    primed = TokenSquares.new(torch.device("cpu"), width=300)
+    r2 = stream.clone()
+    gemv(a, w_out, scale_out, residual=r2, squares=primed, next_norm=norm_w, launch=launch)
+    assert torch.equal(r2, r) and primed.token_norm is norm_w
+    assert torch.equal(primed.token, r2[0].float() * norm_w)
+    assert close(gemv(r2, w_in, scale_in, norm=(norm_w, 1e-6), squares=primed, launch=launch), gathered, 1e-5)
+    garbage = torch.full_like(r2, 1e3)  # the stream argument is not read when the token is
+    assert close(gemv(garbage, w_in, scale_in, norm=(norm_w, 1e-6), squares=primed, launch=launch), gathered, 1e-5)
+    other_w = norm_w.clone()
+    assert close(gemv(r2, w_in, scale_in, norm=(other_w, 1e-6), squares=primed, launch=launch), gathered, 1e-5)
+    with pytest.raises(ValueError):
+        gemv(a, w_out, scale_out, residual=r2, squares=primed, next_norm=norm_w[:10], launch=launch)
+
     few = TokenSquares.new(torch.device("cpu"), size=4)
     gemv(a, w_out, scale_out, residual=r.clone(), squares=few, launch=launch)
     assert few.count == 0
