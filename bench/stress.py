@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench.gpu import HERE, SMOKE_CONFIG, build, random_prompt
+from bench.measure import HERE, SMOKE_CONFIG, build, random_prompt
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu import SMOKE_CONFIG, build
+from bench.measure import SMOKE_CONFIG, build
 from bench.stress import run
 
 
