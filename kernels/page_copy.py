@@ -16,7 +16,7 @@ try:
 except ImportError:
     triton = None
 
-# Elements each program copies, and its warps: the fastest of bench/gpu.py's sweep in runs P and P2 on an
+# Elements each program copies, and its warps: the fastest of bench/transfers.py's sweep in runs P and P2 on an
 # H200 (0.321 and 0.325 ms for 4096 tokens of 8B KV; the slowest setting took 0.37 ms).
 CHUNK = 2048
 WARPS = 8
