@@ -74,7 +74,7 @@ class TokenSquares:
     (`norm=`), which adds them. count is 0 until a GEMV has written them, or when that GEMV ran more programs
     than `buf` holds (at most 1024): the reader then gathers the sum from the token itself.
 
-    `token` (float32, the stream's width, or None): the updated stream times the next norm's weight, written
+    `token` (the stream's width, in token_dtype, or None): the updated stream times the next norm's weight, written
     beside the stream by the same GEMV when it is given `next_norm=`; `token_norm` is that weight. A GEMV
     that folds this very norm then reads `token` instead of the stream, so its K loop does no per-element
     work for the norm at all (the weight multiply, done there, ran once per program for each element)."""
