@@ -25,8 +25,8 @@ class Env:
     def fold_norms() -> bool | None:
         """One-token decode steps on a GPU fold each RMSNorm and residual add into the neighbouring projections'
         GEMV (PDSERVE_FOLD_NORMS=1 always, 0 never). Unset: the model decides by its width (CausalLM.folds).
-        On an H200 folding made the 8B step 5 % slower (22 % with FP8 weights) and the 0.5B step 5-7 % faster
-        (docs/benchmarks.md)."""
+        On an H200 folding made the 8B step 10 % slower (12 % with FP8 weights) and the 0.5B step 12 % faster
+        (run Z54, docs/benchmarks.md)."""
         value = os.environ.get("PDSERVE_FOLD_NORMS")
         return None if value is None or value == "" else value == "1"
 
