@@ -3,6 +3,7 @@
     python -m bench.gpu                      # on a GPU: the engine rows (about three minutes on an H200)
     python -m bench.gpu --pd-tokenizer DIR   # and the service rows: 1P1D vs colocated `pdserve up` (bench/pd.py)
     python -m bench.gpu --smoke              # tiny shapes, any device: checks that the suite runs
+    python -m bench.gpu --fold-kernels       # what folding the norms costs, kernel by kernel (bench/fold.py)
 
 Models are random-weight builds of real shapes (bench/configs/). Ceilings: device copy bandwidth (bytes read
 + written per second) and the bf16 matmul rate, both measured here first. Each row prints the figure, its
@@ -38,6 +39,9 @@ def main() -> None:
                     help="the decode kernel's settings for large batches, each planned as an eager step and as a "
                          "CUDA graph plans it, and the batch-64 step with the fastest")
     ap.add_argument("--diagnose", action="store_true", help="kernel profiles of eager 8B decode steps")
+    ap.add_argument("--fold-kernels", action="store_true",
+                    help="what folding the norms costs: one layer's kernels per variant, each GEMV variant alone "
+                         "(bench/fold.py; on a CPU, under TRITON_INTERPRET=1)")
     ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
     ap.add_argument("--sampling-aborts", action="store_true",
@@ -65,6 +69,10 @@ def main() -> None:
         return tune_gemv(device, args.tune_gemv)
     if args.diagnose:
         return diagnose(device, dtype)
+    if args.fold_kernels:
+        from bench.fold import fold_kernels
+
+        return fold_kernels(device, dtype, args.smoke)
     if args.profile_host:
         return profile_host(device, dtype, args.smoke)
     if args.sampling_aborts:
