@@ -4,10 +4,11 @@ Two views, both printed as tables:
 - one layer of an eager batch-1 8B step, each kernel's device time in launch order, with the norms unfolded,
   folded reading the prepared token, and folded multiplying by the norm's weight (PDL off, so that a kernel's
   time does not include its wait for the one before);
-- each GEMV variant of those layers alone, replayed in a CUDA graph over copies of its weights that L2 cannot hold: the norm gathered in the K loop, taken
-  from the residual add's partial sums of squares (512, as the 8B o_proj and down_proj leave them, or one),
-  with or without the token; the residual adds with and without the squares and the token. Each variant's
-  output is checked against torch's formula first, so a variant that is fast because it is wrong shows.
+- each GEMV variant of those layers alone, replayed in a CUDA graph over copies of its weights that L2
+  cannot hold: the norm gathered in the K loop, taken from the residual add's partial sums of squares (512,
+  as the 8B o_proj and down_proj leave them, or one), with or without the token; the residual adds with and
+  without the squares and the token. Each variant's output is checked against torch's formula first, so a
+  variant that is fast because it is wrong shows.
 """
 
 from __future__ import annotations
