@@ -138,10 +138,11 @@ def gemv_variants(device, smoke: bool) -> list[tuple]:
             else:
                 next_w = (torch.rand(n, device=device, generator=g) + 0.5).to(torch.bfloat16)
                 r0 = torch.randn(1, n, device=device, generator=g).to(torch.bfloat16)
-                for name, (squares, token) in {"residual add": (False, False),
-                                               "residual add, squares": (True, False),
-                                               "residual add, squares, token": (True, True)}.items():
-                    sq = TokenSquares.new(device, width=n if token else 0, token_dtype=torch.bfloat16)
+                for name, (squares, token, summed) in {
+                        "residual add": (False, False, False), "residual add, squares": (True, False, False),
+                        "residual add, squares, token": (True, True, False),
+                        "residual add, squares summed to one, token": (True, True, True)}.items():
+                    sq = TokenSquares.new(device, width=n if token else 0, token_dtype=torch.bfloat16, summed=summed)
                     r = r0.clone()
 
                     def fn(w, squares=squares, token=token, sq=sq, r=r):

@@ -52,9 +52,9 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     # A folded norm as the model runs it by default: its scale from the squares the residual add left, the
     # token already times the norm's weight.
     flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, NORM=False, NORM_W=False, SQ_IN=512 if norm else 0,
-                 SQ_OUT=res, TOKEN_OUT=res, GLU=glu, ADD_TO_OUT=res, PDL=True, BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv,
+                 SQ_OUT=res, TOKEN_OUT=res, SQ_ONE=False, SQ_BLOCK=1, GLU=glu, ADD_TO_OUT=res, PDL=True, BLOCK_N=bn, BLOCK_K=bk, ROPE=rope, HQ=hq, HKV=hkv,
                  HALF=dim // 2, KV_FP8=False)
-    types = {"X": "*bf16", "TOK": "*bf16", "TOK_NW": "*bf16", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
+    types = {"X": "*bf16", "TOK": "*bf16", "TOK_NW": "*bf16", "SQ_CNT": "*i32", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
              "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "SQ": "*fp32", "SQ_N": "i32", "R_COS": "*bf16",
              "R_SIN": "*bf16", "R_KV": "*bf16", "R_PAGE": "*i64", "R_SLOT": "*i64", "r_sp": "i32", "r_skv": "i32",
              "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}

@@ -45,6 +45,13 @@ class Env:
         return os.environ.get("PDSERVE_NORM_SQUARES", "1") != "0"
 
     @staticmethod
+    def norm_squares_summed() -> bool:
+        """Where the residual adds leave the sum of squares, the last program of each adds the partial sums
+        into one, so the next projection's programs load one number instead of one per program of the add
+        (PDSERVE_NORM_SQUARES_SUMMED=1; default 0 until timed on a GPU: `python -m bench.gpu --fold-kernels`)."""
+        return os.environ.get("PDSERVE_NORM_SQUARES_SUMMED", "0") == "1"
+
+    @staticmethod
     def norm_token() -> bool:
         """Where the residual adds leave the sum of squares (PDSERVE_NORM_SQUARES), they also leave the stream
         times the next norm's weight, in the stream's dtype, and that norm's projection reads it in place of

@@ -228,7 +228,8 @@ class CausalLM(nn.Module):
             # x is the embedding lookup's own tensor, so it can carry the residual stream in place.
             squares = None
             if Env.norm_squares():
-                squares = TokenSquares.new(x.device, width=x.shape[1] if Env.norm_token() else 0, token_dtype=x.dtype)
+                squares = TokenSquares.new(x.device, width=x.shape[1] if Env.norm_token() else 0, token_dtype=x.dtype,
+                                           summed=Env.norm_squares_summed())
             for i, layer in enumerate(self.layers):
                 following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
                 layer.forward_folded(x, cos_sin, attn, fuse_rope, squares, following)

@@ -82,12 +82,19 @@ class TokenSquares:
     count: int = 0
     token: torch.Tensor | None = None
     token_norm: torch.Tensor | None = None
+    # With `arrivals` (one int32 zero): the last program of the adding GEMV adds the partial sums into buf[0]
+    # and count is 1, so each program of the reader loads one number rather than count of them
+    # (PDSERVE_NORM_SQUARES_SUMMED; off until timed against the default, bench/fold.py).
+    summed: bool = False
+    arrivals: torch.Tensor | None = None
 
     @staticmethod
     def new(device: torch.device, size: int = 1024, width: int = 0,
-            token_dtype: torch.dtype = torch.float32) -> "TokenSquares":
+            token_dtype: torch.dtype = torch.float32, summed: bool = False) -> "TokenSquares":
         token = torch.empty(width, dtype=token_dtype, device=device) if width else None
-        return TokenSquares(torch.empty(size, dtype=torch.float32, device=device), token=token)
+        arrivals = torch.zeros(1, dtype=torch.int32, device=device) if summed else None
+        return TokenSquares(torch.empty(size, dtype=torch.float32, device=device), token=token, summed=summed,
+                            arrivals=arrivals)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -154,19 +161,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     token_out = sq_out and next_norm is not None and squares.token is not None
     if token_out and (squares.token.shape != (n,) or next_norm.shape != (n,)):
         raise ValueError(f"gemv: squares.token and next_norm must be [{n}]")
+    sq_one = sq_out and squares.summed
+    if sq_one and (squares.arrivals is None or squares.arrivals.dtype != torch.int32):
+        raise ValueError("gemv: summed squares need one int32 arrivals counter")
     if residual is not None and squares is not None:
-        squares.count = blocks if sq_out else 0
+        squares.count = (1 if sq_one else blocks) if sq_out else 0
         squares.token_norm = next_norm if token_out else None
     sq_buf = squares.buf if squares is not None else w
     args = (squares.token if token_in else x, w, scale if scale is not None else w, bias if bias is not None else w,
             norm_w, out, n, k, w.stride(0), eps, sq_buf,
             squares.count if sq_in else 0)
-    tok_args = (squares.token, next_norm) if token_out else (w, w)
+    tok_args = ((squares.token, next_norm) if token_out else (w, w)) + (squares.arrivals if sq_one else w,)
     if paired and bn < 2:
         raise ValueError(f"gemv: glu and rope need programs of at least two rows (a pair), launch {launch}")
     flags = dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None and not sq_in,
                  NORM_W=norm is not None and not token_in, SQ_IN=triton.next_power_of_2(squares.count) if sq_in else 0,
-                 SQ_OUT=sq_out, TOKEN_OUT=token_out, GLU=glu,
+                 SQ_OUT=sq_out, TOKEN_OUT=token_out, SQ_ONE=sq_one,
+                 SQ_BLOCK=triton.next_power_of_2(blocks) if sq_one else 1, GLU=glu,
                  ADD_TO_OUT=residual is not None, PDL=pdl.enabled(x) if x.is_cuda else False, BLOCK_N=bn,
                  BLOCK_K=bk, **rope_flags)
     opts = dict(launch_pdl=flags["PDL"], num_warps=warps, num_stages=stages) if x.is_cuda else {}
@@ -256,12 +267,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
-                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW,
+                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW, SQ_CNT,
                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
                      ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                      KV_FP8: tl.constexpr, NORM_W: tl.constexpr, SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr,
-                     TOKEN_OUT: tl.constexpr):
+                     TOKEN_OUT: tl.constexpr, SQ_ONE: tl.constexpr, SQ_BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         rn = _rows(pid, N, BLOCK_N, GLU, ROPE, HALF)
         rk = tl.arange(0, BLOCK_K)
@@ -294,14 +305,16 @@ if triton is not None:
         if SQ_IN > 0:
             sqs = tl.sum(sq_parts, axis=0)
         _finish(tl.sum(acc, axis=1), sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE,
-                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)
+                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                SQ_BLOCK)
 
     @triton.jit
     def _finish(y, sq, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
                 R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
-                SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOK, TOK_NW, TOKEN_OUT: tl.constexpr):
+                SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOK, TOK_NW, TOKEN_OUT: tl.constexpr, SQ_CNT,
+                SQ_ONE: tl.constexpr, SQ_BLOCK: tl.constexpr):
         """The finished rows y (weight rows rn): the folded norm's scale (sq: the token's
         sum of squares), the weights' scale, the bias, then the activation, rope and the KV store, or the
         residual add; stored."""
@@ -333,6 +346,16 @@ if triton is not None:
                     # projection folds (SQ_IN), so that it need not gather it from the token itself.
                     f = tl.where(rn < N, y.to(tl.float32), 0.0)
                     tl.store(SQ + pid, tl.sum(f * f, axis=0))
+                    if SQ_ONE:
+                        # The last program to arrive adds every program's share into SQ[0], in index order (the
+                        # same sum whichever program is last), so the next GEMV's programs load one number.
+                        tl.debug_barrier()
+                        arrived = tl.atomic_add(SQ_CNT, 1, sem="acq_rel", scope="gpu")
+                        if arrived == tl.num_programs(0) - 1:
+                            si = tl.arange(0, SQ_BLOCK)
+                            parts = tl.load(SQ + si, mask=si < tl.num_programs(0), other=0.0, cache_modifier=".cg")
+                            tl.store(SQ, tl.sum(parts, axis=0))
+                            tl.store(SQ_CNT, 0)  # ready for the next launch (a graph replays the same counter)
                 if TOKEN_OUT:
                     # The next norm's weight applied here, once per element, rather than in every program
                     # of the GEMV that folds it.
@@ -431,13 +454,14 @@ if triton is not None:
     @triton.jit
     def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
                           R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW,
-                          WORK, COUNTERS, PTX: tl.constexpr,
+                          SQ_CNT, WORK, COUNTERS, PTX: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                           KV_FP8: tl.constexpr, AHEAD: tl.constexpr, NORM_W: tl.constexpr,
-                          SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOKEN_OUT: tl.constexpr):
+                          SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOKEN_OUT: tl.constexpr,
+                          SQ_ONE: tl.constexpr, SQ_BLOCK: tl.constexpr):
         """_gemv_kernel for e4m3 weights read as int32 words, four weights each (K % 4 == 0, stride_wn in
         words). The four values of a word meet four slices of the token taken with a stride of four. Loaded as
         bytes, each weight was extracted, repacked in pairs and then converted: about four instructions per
@@ -521,7 +545,9 @@ if triton is not None:
                         sqs += tl.load(WORK + SPLIT * PN + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
                 _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU,
-                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)
+                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                SQ_BLOCK)
         else:
             _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
-                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT)
+                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                SQ_BLOCK)

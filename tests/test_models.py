@@ -88,20 +88,23 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models):
     assert_pool_clean(engine)
 
 
-@pytest.mark.parametrize("squares,token", [("1", "1"), ("1", "0"), ("0", "1")], ids=["token", "squares", "gathered"])
+@pytest.mark.parametrize("squares,token,summed", [("1", "1", "0"), ("1", "0", "0"), ("0", "1", "0"), ("1", "1", "1")],
+                         ids=["token", "squares", "gathered", "summed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, squares, token,
+def test_one_token_steps_with_norms_folded_into_the_projections_match_transformers(family, squares, token, summed,
                                                                                    tiny_models, monkeypatch):
     """The GPU's batch-1 path (engine.model.DecoderLayer.forward_folded: no norm kernels, residual adds in
     the projections' GEMV), run here by the Triton interpreter; each norm's scale from the sums of squares
     o_proj and down_proj leave (PDSERVE_NORM_SQUARES=1, the default) or gathered by its own GEMV, and its
-    weight applied by the residual add before (PDSERVE_NORM_TOKEN=1, the default) or in the K loop."""
+    weight applied by the residual add before (PDSERVE_NORM_TOKEN=1, the default) or in the K loop; the
+    partial sums added into one by the add's last program (PDSERVE_NORM_SQUARES_SUMMED=1) or by every reader."""
     pytest.importorskip("triton")
     from engine.model import CausalLM
 
     monkeypatch.setattr(CausalLM, "fold_norms", True)
     monkeypatch.setenv("PDSERVE_NORM_SQUARES", squares)
     monkeypatch.setenv("PDSERVE_NORM_TOKEN", token)
+    monkeypatch.setenv("PDSERVE_NORM_SQUARES_SUMMED", summed)
     path, hf = tiny_models[family]
     engine = Engine(model_path=path, max_total_tokens=4096, page_size=16)
     seen = record_logits(engine)

@@ -483,6 +483,18 @@ def test_gemv_norm_reads_the_sum_of_squares_the_residual_add_left(weights):
     with pytest.raises(ValueError):
         gemv(a, w_out, scale_out, residual=r2, squares=primed, next_norm=norm_w[:10], launch=launch)
 
+    # summed=True: the add's last program adds the partial sums into one, which the reader takes its scale
+    # from; the arrivals counter is back at zero for the next launch, as a graph replay needs.
+    one = TokenSquares.new(torch.device("cpu"), width=300, summed=True)
+    for _ in range(2):
+        r3 = stream.clone()
+        gemv(a, w_out, scale_out, residual=r3, squares=one, next_norm=norm_w, launch=launch)
+        assert torch.equal(r3, r) and one.count == 1 and int(one.arrivals) == 0
+        assert close(one.buf[0], (r3 * r3).sum(), 1e-5)
+        assert close(gemv(r3, w_in, scale_in, norm=(norm_w, 1e-6), squares=one, launch=launch), gathered, 1e-5)
+    with pytest.raises(ValueError):
+        gemv(a, w_out, scale_out, residual=r3, squares=TokenSquares(torch.zeros(64), summed=True), launch=launch)
+
     few = TokenSquares.new(torch.device("cpu"), size=4)
     gemv(a, w_out, scale_out, residual=r.clone(), squares=few, launch=launch)
     assert few.count == 0
