@@ -206,6 +206,8 @@ NARROW_EXPERIMENTS = {"PDSERVE_FOLD_NORMS": ("0", "norms in kernels of their own
                                                     "(the default takes it from the residual add's)"),
                       "PDSERVE_NORM_TOKEN": ("0", "folded norms multiply by their weight in the K loop (by default "
                                                   "the residual add before leaves the token times it)"),
+                      "PDSERVE_NORM_SQUARES_SUMMED": ("1", "the residual add's last program sums the partial sums "
+                                                           "of squares into one for the next norm"),
                       "PDSERVE_FUSE_ROPE": EXPERIMENTS["PDSERVE_FUSE_ROPE"]}
 
 
