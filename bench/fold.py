@@ -164,6 +164,26 @@ def gemv_variants(device, smoke: bool) -> list[tuple]:
     return rows
 
 
+def compiled_registers() -> list[tuple]:
+    """(kernel, warps, registers, spilled registers, flags) of every GEMV this process compiled: the machine's
+    own Triton and ptxas, which `python -m bench.gemv_build` (any machine's) only predicts."""
+    from kernels import gemv as G
+
+    out = []
+    for fn in (G._gemv_kernel, G._gemv_e4m3_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for k in cache[0].values():
+                src = getattr(k, "src", None)
+                consts = getattr(src, "constants", None) or getattr(src, "constexprs", None) or {}
+                named = {(a if isinstance(a, str) else fn.arg_names[a[0]]): v for a, v in consts.items()}
+                flags = " ".join(f"{a}={named[a]}" for a in ("BLOCK_N", "BLOCK_K", "SPLIT", "GLU", "ROPE", "ADD_TO_OUT",
+                                                             "SQ_IN", "SQ_OUT", "TOKEN_OUT", "SQ_ONE", "NORM_W")
+                                 if a in named)
+                out.append((getattr(fn, "__name__", None) or fn.fn.__name__, k.metadata.num_warps,
+                            getattr(k, "n_regs", None), getattr(k, "n_spills", None), flags))
+    return out
+
+
 def fold_kernels(device, dtype, smoke: bool) -> None:
     if device.type == "cuda":
         cfg = dict(SMOKE_CONFIG) if smoke else json.load(open(os.path.join(HERE, "configs", "llama-3.1-8b.json")))
@@ -184,3 +204,8 @@ def fold_kernels(device, dtype, smoke: bool) -> None:
     print("|---|---|---|---|---|---|")
     for label, weights, name, us, gbs, err in rows:
         print(f"| {label} | {weights} | {name} | {us:.2f} | {gbs:.0f} | {err:.2g} |")
+    if device.type == "cuda":
+        print("\n| kernel | warps | registers | spilled | flags |")
+        print("|---|---|---|---|---|")
+        for name, warps, regs, spills, flags in compiled_registers():
+            print(f"| {name} | {warps} | {regs} | {spills} | {flags} |")

@@ -29,10 +29,11 @@ gathered in the K loop and applied to the finished rows; the normed token is nev
 way, so this is a little more exact than the separate norm kernel), and `residual=r`
 adds the projection to r in place (rounded to r's dtype, as the separate add is) and returns r. With
 `squares=TokenSquares`, the residual add also leaves each program's sum of squares of the rows it updated, and
-the next norm takes its scale from them instead of gathering it in the K loop: it requests them right after
-the PDL wait and adds them after the loop, so the wait for them hides behind the weight stream, and the K loop
-does no work for the norm but the multiply by its weight (0.5B step 0.666 against 0.706 ms in run Z7b, 0.700
-against 0.703 in Z8). Given `next_norm=weight` as well, the residual add leaves the updated stream times that
+the next norm takes its scale from them instead of gathering it in the K loop: it loads and adds them after
+the loop, and the K loop does no work for the norm but the multiply by its weight (0.5B step 0.666 against
+0.706 ms in run Z7b, 0.700 against 0.703 in Z8). (Requested before the loop, they were held in registers
+through it: the FP8 8B gate_up then took 80 registers against the plain GEMV's 72, six programs per SM
+against seven, and its 896 programs no longer fit in one wave on 132 SMs.) Given `next_norm=weight` as well, the residual add leaves the updated stream times that
 weight in `squares.token`, and the GEMV that folds that norm reads the token in place of the stream: its K
 loop then does no work for the norm at all. The multiply in the K loop ran in every program, once per weight
 element it met; here it runs once per element of the stream. A token in the stream's dtype adds one rounding
@@ -280,12 +281,11 @@ if triton is not None:
         nmask = rn[:, None] < N
         # The first weight tile is loaded before the wait: no kernel of the step writes weights.
         w = tl.load(rows + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
+        nw_out = _next_norm_weight(TOK_NW, rn, N, TOKEN_OUT)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if SQ_IN > 0:  # requested now, summed at the end: the wait for them hides behind the K loop
-            si = tl.arange(0, SQ_IN)
-            sq_parts = tl.load(SQ + si, mask=si < SQ_N, other=0.0)
+        r_in = _stream_rows(OUT, rn, N, ADD_TO_OUT)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -303,20 +303,37 @@ if triton is not None:
             w = w_next
         sqs = tl.sum(sq, axis=0)
         if SQ_IN > 0:
-            sqs = tl.sum(sq_parts, axis=0)
-        _finish(tl.sum(acc, axis=1), sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE,
+            si = tl.arange(0, SQ_IN)
+            sqs = tl.sum(tl.load(SQ + si, mask=si < SQ_N, other=0.0), axis=0)
+        _finish(tl.sum(acc, axis=1), sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE,
                 HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)
 
     @triton.jit
-    def _finish(y, sq, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _next_norm_weight(TOK_NW, rn, N, TOKEN_OUT: tl.constexpr):
+        """The next norm's weight at this program's rows, for the token a residual add leaves: constant, like
+        the weights, so requested before the PDL wait, and in hand when the rows are finished."""
+        if TOKEN_OUT:
+            return tl.load(TOK_NW + rn, mask=rn < N, other=0.0).to(tl.float32)
+        return tl.zeros([rn.shape[0]], dtype=tl.float32)
+
+    @triton.jit
+    def _stream_rows(OUT, rn, N, ADD_TO_OUT: tl.constexpr):
+        """The residual stream at this program's rows, requested right after the PDL wait: the K loop hides
+        the load's latency, which the program's last steps would otherwise wait out."""
+        if ADD_TO_OUT:
+            return tl.load(OUT + rn, mask=rn < N, other=0.0).to(tl.float32)
+        return tl.zeros([rn.shape[0]], dtype=tl.float32)
+
+    @triton.jit
+    def _finish(y, sq, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
                 R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
                 SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOK, TOK_NW, TOKEN_OUT: tl.constexpr, SQ_CNT,
                 SQ_ONE: tl.constexpr, SQ_BLOCK: tl.constexpr):
         """The finished rows y (weight rows rn): the folded norm's scale (sq: the token's
-        sum of squares), the weights' scale, the bias, then the activation, rope and the KV store, or the
+        sum of squares; r_in: the stream's rows, nw_out: the next norm's weight, where they are used), the weights' scale, the bias, then the activation, rope and the KV store, or the
         residual add; stored."""
         if NORM or SQ_IN > 0:
             y = y * tl.rsqrt(sq / K + eps)
@@ -339,8 +356,7 @@ if triton is not None:
             if ADD_TO_OUT:
                 # The residual add, rounded to the stream's dtype as the separate add is. Each program reads
                 # and writes only its own rows, so updating in place is safe.
-                r = tl.load(OUT + rn, mask=rn < N, other=0.0)
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+                y = (y.to(tl.float32) + r_in).to(OUT.dtype.element_ty)
                 if SQ_OUT:
                     # This program's share of the updated stream's sum of squares, for the norm the next
                     # projection folds (SQ_IN), so that it need not gather it from the token itself.
@@ -359,8 +375,7 @@ if triton is not None:
                 if TOKEN_OUT:
                     # The next norm's weight applied here, once per element, rather than in every program
                     # of the GEMV that folds it.
-                    nw = tl.load(TOK_NW + rn, mask=rn < N, other=0.0).to(tl.float32)
-                    tl.store(TOK + rn, (y.to(tl.float32) * nw).to(TOK.dtype.element_ty), mask=rn < N)
+                    tl.store(TOK + rn, (y.to(tl.float32) * nw_out).to(TOK.dtype.element_ty), mask=rn < N)
             tl.store(OUT + rn, y, mask=rn < N)
 
     @triton.jit
@@ -489,12 +504,11 @@ if triton is not None:
         if AHEAD == 2:  # the second tile too is loaded before the wait
             nj = lo + WORDS + rj
             w1 = tl.load(rows + nj[None, :], mask=(rn[:, None] < N) & (nj[None, :] < hi), other=0)
+        nw_out = _next_norm_weight(TOK_NW, rn, N, TOKEN_OUT and SPLIT == 1)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if SQ_IN > 0:  # requested now, summed at the end: the wait for them hides behind the K loop
-            si = tl.arange(0, SQ_IN)
-            sq_parts = tl.load(SQ + si, mask=si < SQ_N, other=0.0)
+        r_in = _stream_rows(OUT, rn, N, ADD_TO_OUT and SPLIT == 1)
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         sq = tl.zeros([WORDS], dtype=tl.float32)
         if AHEAD == 2:
@@ -523,7 +537,8 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         sqs = tl.sum(sq, axis=0)
         if SQ_IN > 0:
-            sqs = tl.sum(sq_parts, axis=0)
+            si = tl.arange(0, SQ_IN)
+            sqs = tl.sum(tl.load(SQ + si, mask=si < SQ_N, other=0.0), axis=0)
         if SPLIT > 1:
             # Partials by position in the program (GLU rows are not a block of N), PN of them per split.
             PN = tl.num_programs(0) * BLOCK_N
@@ -544,10 +559,13 @@ if triton is not None:
                     if NORM:
                         sqs += tl.load(WORK + SPLIT * PN + s, cache_modifier=".cg")
                 tl.store(COUNTERS + pid, 0)  # ready for the next launch (a graph replays the same counters)
-                _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU,
+                # Only the program that finishes the rows needs the stream's and the next norm's weight.
+                r_in = _stream_rows(OUT, rn, N, ADD_TO_OUT)
+                nw_out = _next_norm_weight(TOK_NW, rn, N, TOKEN_OUT)
+                _finish(y, sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU,
                         ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)
         else:
-            _finish(y, sqs, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
+            _finish(y, sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
                     BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)
