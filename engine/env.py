@@ -48,7 +48,9 @@ class Env:
     def norm_squares_summed() -> bool:
         """Where the residual adds leave the sum of squares, the last program of each adds the partial sums
         into one, so the next projection's programs load one number instead of one per program of the add
-        (PDSERVE_NORM_SQUARES_SUMMED=1; default 0 until timed on a GPU: `python -m bench.gpu --fold-kernels`)."""
+        (PDSERVE_NORM_SQUARES_SUMMED=1; default 0). Timed on an H100 it cost more than it saved: about a
+        microsecond per residual add for the count and the serial sum, and 1.6 % of a folded FP8 8B step (runs
+        Z56-Z57, docs/benchmarks.md)."""
         return os.environ.get("PDSERVE_NORM_SQUARES_SUMMED", "0") == "1"
 
     @staticmethod

@@ -85,7 +85,7 @@ class TokenSquares:
     token_norm: torch.Tensor | None = None
     # With `arrivals` (one int32 zero): the last program of the adding GEMV adds the partial sums into buf[0]
     # and count is 1, so each program of the reader loads one number rather than count of them
-    # (PDSERVE_NORM_SQUARES_SUMMED; off until timed against the default, bench/fold.py).
+    # (PDSERVE_NORM_SQUARES_SUMMED; off: the count and the serial sum cost more than the loads they save).
     summed: bool = False
     arrivals: torch.Tensor | None = None
 
