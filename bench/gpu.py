@@ -253,9 +253,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         model_dir = model_dir_for(os.path.join(HERE, "configs", "llama-3.1-8b.json"), args.pd_tokenizer,
                                   tempfile.mkdtemp(prefix="pdserve-8b-"))
-        for r in pd_rows(model_dir):
-            rows.append(r)
-            print(r, flush=True)
+        try:
+            for r in pd_rows(model_dir):
+                rows.append(r)
+                print(r, flush=True)
+        except Exception as e:  # a cluster that does not come up (a missing package) costs its rows, not the table
+            rows.append(("TTFT 1P1D vs colocated, greedy 1P1D = colocated", None, None, None,
+                         f"not run: {type(e).__name__}: {e}"[:300]))
     else:
         rows.append(("TTFT 1P1D vs colocated, greedy 1P1D = colocated", None, None, None,
                      "not run: give --pd-tokenizer (and the service's packages)"))
