@@ -124,9 +124,8 @@ def correctness(model, backends, device, dtype) -> dict:
     return out
 
 
-def fp8_kv(model, backend: str, device, dtype) -> tuple[float, float]:
-    """(token capacity of an FP8 pool / a bf16 pool in the same memory, max rel. error of first-token
-    logits with FP8 KV against bf16 KV on the same prompts)."""
+def fp8_kv_capacity(model, backend: str, device, dtype) -> float:
+    """Token capacity of an FP8 pool / a bf16 pool in the same memory."""
     caps = {}
     gc.collect()
     for kv in ("auto", "fp8_e4m3"):
@@ -135,10 +134,21 @@ def fp8_kv(model, backend: str, device, dtype) -> tuple[float, float]:
         caps[kv] = e.pool.max_total_num_tokens
         del e
         torch.cuda.empty_cache()
-    logits = {}
+    return caps["fp8_e4m3"] / caps["auto"]
+
+
+def fp8_kv_error(model, backend: str, device, dtype, unit_scales: bool = False) -> tuple[float, str]:
+    """(max rel. error of first-token logits with FP8 KV against bf16 KV on the same prompts, the FP8 pool's
+    scales). `unit_scales`: the FP8 pool at scale 1.0 instead of its scales from the weights."""
+    logits, scales = {}, ""
     vocab = model.config.vocab_size
     for kv in ("auto", "fp8_e4m3"):
         e = engine_for(model, backend, 16384, device, dtype, graphs=False, kv=kv)
+        if kv != "auto":
+            if unit_scales:
+                e.pool.set_scales([1.0] * e.pool.num_layers, [1.0] * e.pool.num_layers)
+            scales = (f"K {min(e.pool.k_scale):g}..{max(e.pool.k_scale):g}, "
+                      f"V {min(e.pool.v_scale):g}..{max(e.pool.v_scale):g}")
         seen = record_logits(e)
         for i in range(6):
             e.add_request(random_prompt(100 + 150 * i, vocab, i), SamplingParams(temperature=0, max_tokens=1))
@@ -147,7 +157,57 @@ def fp8_kv(model, backend: str, device, dtype) -> tuple[float, float]:
         logits[kv] = torch.cat(seen)
         del e
     err = ((logits["fp8_e4m3"] - logits["auto"]).abs().max() / logits["auto"].abs().max()).item()
-    return caps["fp8_e4m3"] / caps["auto"], err
+    return err, scales
+
+
+def raise_kv_biases(model, k_bias: float = 1500.0, v_bias: float = 900.0) -> None:
+    """Values three times e4m3's range, as some Qwen2 checkpoints' K biases: k_bias on one channel of every KV
+    head, -0.8 k_bias on another (of the other rope half), v_bias on one V channel. Changes `model` in place."""
+    c = model.config
+    for layer in model.layers:
+        bias = layer.self_attn.qkv_proj.bias
+        for h in range(c.num_key_value_heads):
+            bias[c.q_size + h * c.head_dim + 1] += k_bias
+            bias[c.q_size + h * c.head_dim + c.head_dim // 2 + 3] -= 0.8 * k_bias
+        bias[c.q_size + c.kv_size + 5] += v_bias
+
+
+def request_kv(engine: Engine, tokens: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """(the request's tokens whose KV is stored, that KV as attention reads it: [layers, tokens, 2, heads, D],
+    stored values times their scales) after running `tokens` for max_tokens greedy tokens."""
+    req = engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    req.hold_pages = True  # keep its pages after it finishes, as a prefill worker's request does
+    while engine.has_work():
+        engine.step()
+    pool, dev = engine.pool, engine.pool.device
+    pos = torch.arange(req.kv_len, device=dev)
+    index = pool.slot_index(torch.tensor(req.pages, device=dev)[pos // pool.page_size], pos % pool.page_size)
+    kv = torch.stack([pool.read(i, index).float() * torch.tensor([pool.k_scale[i], pool.v_scale[i]], device=dev)
+                      .view(1, 2, 1, 1) for i in range(pool.num_layers)])
+    return req.tokens[: req.kv_len], kv
+
+
+def fp8_kv_outliers(model, backend: str, device, dtype, n: int = 24) -> tuple[float, float, str]:
+    """The model's K and V biases raised beyond e4m3's range (raise_kv_biases): the KV an FP8 pool holds for a
+    200-token prompt and n decode steps in CUDA graphs (prefill's rope store, then the qkv GEMV's), against a
+    bf16 pool's for the same tokens: (max|d|/max|ref| at the pool's scales from the weights, the same for
+    the prompt and tokens prefilled into an FP8 pool at scale 1.0, the scales)."""
+    raise_kv_biases(model)
+    prompt = random_prompt(200, model.config.vocab_size, 7)
+    e = engine_for(model, backend, 4096, device, dtype, kv="fp8_e4m3")
+    scales = f"K {min(e.pool.k_scale):g}..{max(e.pool.k_scale):g}, V {min(e.pool.v_scale):g}..{max(e.pool.v_scale):g}"
+    tokens, scaled = request_kv(e, prompt, n)
+    del e
+    e = engine_for(model, backend, 4096, device, dtype, graphs=False)
+    _, ref = request_kv(e, tokens, 1)
+    del e
+    e = engine_for(model, backend, 4096, device, dtype, graphs=False, kv="fp8_e4m3")
+    e.pool.set_scales([1.0] * e.pool.num_layers, [1.0] * e.pool.num_layers)
+    _, unit = request_kv(e, tokens, 1)
+    del e
+    gc.collect()
+    err = lambda a: ((a - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    return err(scaled), err(unit), scales
 
 
 def fp8_kv_decode(model, backend: str, device, dtype, ctx: int, steps: int) -> tuple[float, float]:

@@ -57,7 +57,7 @@ def build(n: int, k: int, mode: str | None, fp8: bool):
     types = {"X": "*bf16", "TOK": "*bf16", "TOK_NW": "*bf16", "SQ_CNT": "*i32", "W": "*i32" if fp8 else "*bf16", "SCALE": "*fp32", "BIAS": "*bf16", "NW": "*bf16",
              "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "SQ": "*fp32", "SQ_N": "i32", "R_COS": "*bf16",
              "R_SIN": "*bf16", "R_KV": "*bf16", "R_PAGE": "*i64", "R_SLOT": "*i64", "r_sp": "i32", "r_skv": "i32",
-             "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}
+             "r_ss": "i32", "r_sh": "i32", "r_limit": "fp32", "r_kinv": "fp32", "r_vinv": "fp32", "WORK": "*fp32", "COUNTERS": "*i32"}
     fn = G._gemv_kernel
     if fp8:
         even = n % bn == 0 and k % (bk * split) == 0

@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from bench.checks import (
-    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, fp8_kv, fp8_kv_decode, graph_vs_eager, sampled_rows,
+    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, fp8_kv_capacity, fp8_kv_decode, fp8_kv_error, fp8_kv_outliers, graph_vs_eager, sampled_rows,
     variant_rows)
 from bench.diagnostics import (
     diagnose, linear_diagnostics, profile_host, profile_step, sampling_aborts, tune_decode, tune_gemv)
@@ -117,13 +117,19 @@ def main() -> None:
                      f"tokens: prompts equal", same, total, same / total, "== 1 (check)"))
         print(rows[-1], flush=True)
     if device.type == "cuda":
-        cap, err = fp8_kv(big, fast, device, dtype)
+        cap = fp8_kv_capacity(big, fast, device, dtype)
         rows.append((f"{bn} FP8 KV: tokens vs bf16 in the same memory (x)", cap, 2.0, cap / 2.0, "2x +-5%"))
-        rows.append((f"{bn} FP8 KV: first-token logits vs bf16 KV (max rel err)", err, 5e-2, None, "< 5e-2"))
+        for b in backends:
+            err, scales = fp8_kv_error(big, b, device, dtype)
+            rows.append((f"{bn} FP8 KV ({scales}), {b}: first-token logits vs bf16 KV (max rel err)", err, 5e-2,
+                         None, "< 5e-2"))
+        err, _ = fp8_kv_error(big, fast, device, dtype, unit_scales=True)
+        rows.append((f"{bn} FP8 KV at scale 1.0, {fast}: first-token logits vs bf16 KV (max rel err)", err, 5e-2,
+                     None, "(for comparison)"))
         t8, t16 = fp8_kv_decode(big, fast, device, dtype, ctx1, steps)
         rows.append((f"{bn} FP8 KV, batch-1 decode, {ctx1} ctx, CUDA graph: step ms (bf16 KV ms)", t8 * 1e3,
                      t16 * 1e3, t16 / t8, "(for comparison)"))
-        print(rows[-3:], flush=True)
+        print(rows[-(3 + len(backends)):], flush=True)
     def batch1_row(engine, model, label, target, steps=steps):
         """Batch-1 decode at ctx1 against the roofline (every weight + the context's KV once per step)."""
         print(f"  {label} batch-1 step phases: {step_phases(engine, 1, ctx1, steps)}", flush=True)
@@ -241,6 +247,13 @@ def main() -> None:
                  NARROW_EXPERIMENTS if small.config.hidden_size <= small.fold_max_width else EXPERIMENTS)
     sampled_rows(e, sn, t_small, rows, ctx1, steps_small)
     del e
+    if small.config.attention_bias:  # last: it changes the model's biases
+        scaled, unit, scales = fp8_kv_outliers(small, fast, device, dtype)
+        rows.append((f"{sn} with K/V biases of 1,500 / 900, FP8 KV ({scales}): prompt + 24 decode steps' KV vs "
+                     "bf16 KV (max|d|/max|ref|)", scaled, 2.0 ** -4, None, "< 2^-4 (e4m3 rounding)"))
+        rows.append((f"{sn} with K/V biases of 1,500 / 900, FP8 KV at scale 1.0: the prompt's KV vs bf16 KV "
+                     "(max|d|/max|ref|)", unit, None, None, "(saturates at 448)"))
+        print(rows[-2:], flush=True)
     if device.type == "cuda":
         transfer_rows(rows)
     if args.pd_tokenizer and device.type == "cuda":

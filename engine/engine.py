@@ -15,6 +15,7 @@ import torch
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_scales import kv_scales
 from engine.loader import load_model, quantized_already, resolve_model_dir
 from engine.model import CausalLM
 from engine.parallel import init_tensor_parallel
@@ -63,12 +64,18 @@ class Engine:
         else:
             self.tokenizer = None
             self.model = model
+        # Taken from the weights as loaded, so that a worker quantizing them and one that does not agree.
+        scales = kv_scales(self.model, args.kv_dtype)
         if args.quantization == "fp8":
             from kernels.fp8_linear import quantize_model
 
             quantize_model(self.model, lm_head=args.quantize_lm_head)
         self.config: ModelConfig = self.model.config
         self.pool = self._make_pool()
+        self.pool.set_scales(*scales)
+        if self.pool.is_fp8:
+            logger.info("FP8 KV scales from the weights: K %g..%g, V %g..%g", min(scales[0]), max(scales[0]),
+                        min(scales[1]), max(scales[1]))
         self.max_model_len = min(args.context_length or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.allocator = PageAllocator(self.pool.num_pages)
@@ -76,7 +83,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.page_size, args.prefill_budget, args.running_limit), self.allocator, self.cache)
         backend = args.attention_backend or default_backend(self.device)
-        attn = create_backend(backend, self.pool, self.config)
+        attn = create_backend(backend, self.pool, self.config, args.torch_dtype)
         graphs = None
         if args.on_cuda and backend == "triton" and not args.disable_cuda_graph:
             from engine.graph import DecodeGraphs

@@ -46,11 +46,16 @@ class KVLayout(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str
     order: str = "NHD"  # the pool's layout within a page (kvstore/pool.py)
+    # Per-layer K and V scales of the stored values (kvstore/pool.py); empty: all 1.0.
+    k_scale: tuple[float, ...] = ()
+    v_scale: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, pool) -> "KVLayout":
+        unit = all(s == 1.0 for s in pool.k_scale + pool.v_scale)
         return cls(pool.num_layers, pool.page_size, pool.kv_heads, pool.head_dim,
-                   str(pool.dtype).removeprefix("torch."), pool.layout)
+                   str(pool.dtype).removeprefix("torch."), pool.layout,
+                   () if unit else tuple(pool.k_scale), () if unit else tuple(pool.v_scale))
 
 
 class WorkerInfo(msgspec.Struct):

@@ -130,12 +130,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         out = torch.empty(1, hq, dim, dtype=x.dtype, device=x.device)
         fp8_kv = rope.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         rope_args = (rope.cos, rope.sin, rope.kv, rope.page, rope.slot, *rope.kv.stride()[:4],
-                     torch.finfo(rope.kv.dtype).max if fp8_kv else 0.0)
+                     torch.finfo(rope.kv.dtype).max if fp8_kv else 0.0, 1.0 / rope.k_scale, 1.0 / rope.v_scale)
         rope_flags = dict(ROPE=True, HQ=hq, HKV=hkv, HALF=dim // 2, KV_FP8=fp8_kv)
     else:
         out = residual if residual is not None else torch.empty(1, n // 2 if glu else n, dtype=out_dtype or x.dtype,
                                                                 device=x.device)
-        rope_args = (w, w, w, w, w, 0, 0, 0, 0, 0.0)
+        rope_args = (w, w, w, w, w, 0, 0, 0, 0, 0.0, 1.0, 1.0)
         rope_flags = dict(ROPE=False, HQ=1, HKV=1, HALF=1, KV_FP8=False)
     e4m3 = w.dtype == torch.float8_e4m3fn and k % 4 == 0 and w.is_contiguous()
     if x.is_cuda:
@@ -268,7 +268,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
-                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW, SQ_CNT,
+                     R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, TOK, TOK_NW, SQ_CNT,
                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
                      ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
@@ -306,7 +306,7 @@ if triton is not None:
             si = tl.arange(0, SQ_IN)
             sqs = tl.sum(tl.load(SQ + si, mask=si < SQ_N, other=0.0), axis=0)
         _finish(tl.sum(acc, axis=1), sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE,
-                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                HAS_BIAS, NORM, GLU, ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)
 
     @triton.jit
@@ -328,7 +328,7 @@ if triton is not None:
     @triton.jit
     def _finish(y, sq, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORM: tl.constexpr, GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE: tl.constexpr,
+                R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
                 SQ_IN: tl.constexpr, SQ_OUT: tl.constexpr, TOK, TOK_NW, TOKEN_OUT: tl.constexpr, SQ_CNT,
                 SQ_ONE: tl.constexpr, SQ_BLOCK: tl.constexpr):
@@ -350,7 +350,7 @@ if triton is not None:
             ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(OUT + ro, (s.to(tl.float32) * up.to(tl.float32)).to(OUT.dtype.element_ty), mask=ro < N // 2)
         elif ROPE:
-            _rope_store(y, pid, OUT, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, BLOCK_N,
+            _rope_store(y, pid, OUT, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, BLOCK_N,
                         HQ, HKV, HALF, KV_FP8)
         else:
             if ADD_TO_OUT:
@@ -379,12 +379,13 @@ if triton is not None:
             tl.store(OUT + rn, y, mask=rn < N)
 
     @triton.jit
-    def _rope_store(y, pid, Q, COS, SIN, KV, PAGE, SLOT, s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit,
+    def _rope_store(y, pid, Q, COS, SIN, KV, PAGE, SLOT, s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit, k_inv, v_inv,
                     BLOCK_N: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                     FP8: tl.constexpr):
         """kernels/rope.py's rope_store on the finished qkv rows y (pairs d, d + HALF of a head, rounded to
         the activation dtype): q heads rotated into Q [HQ, 2 * HALF], k heads rotated and v heads as they are
-        into the token's pool slot, rounded (and saturated for an FP8 pool) as rope_store rounds them."""
+        into the token's pool slot, divided by their scales, rounded (and saturated for an FP8 pool) as
+        rope_store rounds them."""
         x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         i = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         head = i // HALF
@@ -402,8 +403,8 @@ if triton is not None:
         is_k = (head >= HQ) & (head < HQ + HKV)
         is_kv = (head >= HQ) & (head < HQ + 2 * HKV)
         # k is rounded to the activation dtype first, as rope_store rounds it.
-        k1 = tl.where(is_k, r1.to(Q.dtype.element_ty).to(tl.float32), a)
-        k2 = tl.where(is_k, r2.to(Q.dtype.element_ty).to(tl.float32), b)
+        k1 = tl.where(is_k, r1.to(Q.dtype.element_ty).to(tl.float32) * k_inv, a * v_inv)
+        k2 = tl.where(is_k, r2.to(Q.dtype.element_ty).to(tl.float32) * k_inv, b * v_inv)
         if FP8:
             k1 = tl.clamp(k1, -limit, limit)
             k2 = tl.clamp(k2, -limit, limit)
@@ -468,7 +469,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_e4m3_kernel(X, W, SCALE, BIAS, NW, OUT, N, K, stride_wn, eps, SQ, SQ_N,
-                          R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, TOK, TOK_NW,
+                          R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, TOK, TOK_NW,
                           SQ_CNT, WORK, COUNTERS, PTX: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                           GLU: tl.constexpr, ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
@@ -563,9 +564,9 @@ if triton is not None:
                 r_in = _stream_rows(OUT, rn, N, ADD_TO_OUT)
                 nw_out = _next_norm_weight(TOK_NW, rn, N, TOKEN_OUT)
                 _finish(y, sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU,
-                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                        ADD_TO_OUT, BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)
         else:
             _finish(y, sqs, r_in, nw_out, pid, rn, SCALE, BIAS, OUT, N, K, eps, SQ, SQ_N, HAS_SCALE, HAS_BIAS, NORM, GLU, ADD_TO_OUT,
-                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
+                    BLOCK_N, R_COS, R_SIN, R_KV, R_PAGE, R_SLOT, r_sp, r_skv, r_ss, r_sh, r_limit, r_kinv, r_vinv, ROPE, HQ, HKV, HALF, KV_FP8, SQ_IN, SQ_OUT, TOK, TOK_NW, TOKEN_OUT, SQ_CNT, SQ_ONE,
                 SQ_BLOCK)

@@ -3,7 +3,8 @@
 Unfused, a layer's rope is a roll, two multiplies and an add over q and k, and the store is a stack and a
 scatter into the pool; at batch 1 each of those is a launch that moves a few kilobytes. The fused kernel
 reads the new q, k and v once, rotates q and k, writes q for attention and k, v straight into their pool
-slots (saturated to the pool's FP8 range when the pool is FP8).
+slots, divided by the layer's K and V scales (kvstore/pool.py) and saturated to the pool's FP8 range when
+the pool is FP8.
 
 Rope layout is the half-split one (rotate_half): out = x * cos + rotate_half(x) * sin. The tables come from
 `Rotary.lookup`: cos [N, 1, D] and a signed sin whose first half is negated, so that the reference is
@@ -38,6 +39,8 @@ class RopeTarget:
     page: torch.Tensor  # [1]
     slot: torch.Tensor  # [1]
     num_q_heads: int
+    k_scale: float = 1.0  # the layer's scales in the pool (kvstore/pool.py)
+    v_scale: float = 1.0
 
 
 def apply_rope_ref(cos_sin, x: torch.Tensor) -> torch.Tensor:
@@ -55,9 +58,11 @@ def use_fused(x: torch.Tensor, fused: bool | None) -> bool:
 
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, cos_sin, kv_layer: torch.Tensor, out_pages: torch.Tensor,
-               out_offsets: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+               out_offsets: torch.Tensor, num_q_heads: int, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
     """qk [N, Hq+Hkv, D] (unrotated; any token stride), v [N, Hkv, D]; kv_layer [P, 2, page, Hkv, D].
-    Rotates q and k, stores k and v at (out_pages, out_offsets); returns the rotated q [N, Hq, D]."""
+    Rotates q and k, stores k / k_scale and v / v_scale at (out_pages, out_offsets); returns the rotated q
+    [N, Hq, D]."""
     n, heads, dim = qk.shape
     kv_heads = heads - num_q_heads
     q = torch.empty(n, num_q_heads, dim, dtype=qk.dtype, device=qk.device)
@@ -74,7 +79,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, cos_sin, kv_layer: torch.Tenso
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        limit,
+        limit, 1.0 / k_scale, 1.0 / v_scale,
         HQ=num_q_heads, HKV=kv_heads, BLOCK_H=block_h, HALF=dim // 2, FP8=fp8, PDL=on, launch_pdl=on,
         num_warps=4 if block_h * dim <= 4096 else 8,
     )
@@ -85,7 +90,7 @@ if triton is not None:
     @triton.jit
     def _rope_store_kernel(QK, V, COS, SIN, Q_OUT, KV, pages, offsets,
                            s_qk_t, s_qk_h, s_v_t, s_v_h, s_cos, s_sin, s_q_t, s_q_h,
-                           s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit,
+                           s_kv_p, s_kv_kv, s_kv_s, s_kv_h, limit, k_inv, v_inv,
                            HQ: tl.constexpr, HKV: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                            FP8: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -114,11 +119,12 @@ if triton is not None:
         k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
         k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
         # k is rounded to the activation dtype first, as it is when the pool holds that dtype or FP8 is cast from it.
-        r1 = (k1 * c - k2 * s).to(QK.dtype.element_ty).to(tl.float32)
-        r2 = (k2 * c + k1 * s).to(QK.dtype.element_ty).to(tl.float32)
+        # The scales are powers of two: the products are exact.
+        r1 = (k1 * c - k2 * s).to(QK.dtype.element_ty).to(tl.float32) * k_inv
+        r2 = (k2 * c + k1 * s).to(QK.dtype.element_ty).to(tl.float32) * k_inv
         vbase = V + t * s_v_t + h[:, None] * s_v_h + d[None, :]
-        v1 = tl.load(vbase, mask=kmask, other=0.0).to(tl.float32)
-        v2 = tl.load(vbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+        v1 = tl.load(vbase, mask=kmask, other=0.0).to(tl.float32) * v_inv
+        v2 = tl.load(vbase + HALF, mask=kmask, other=0.0).to(tl.float32) * v_inv
         if FP8:
             r1 = tl.clamp(r1, -limit, limit)
             r2 = tl.clamp(r2, -limit, limit)

@@ -6,11 +6,17 @@ decode kernel reads one contiguous run per page and head). One page of one layer
 V) either way, and the whole pool is one allocation, so it can be registered once with a transfer engine, and a request's
 pages move as a list of page ids. Page 0 is never handed out: it pads page tables, and it stays zero so a
 backend that reads past a sequence's end reads zeros, never NaN.
+
+Each layer has a K scale and a V scale (powers of two, 1.0 unless set): the pool stores k / k_scale and
+v / v_scale, and attention reads them back times the scale (K's folded into the softmax scale, V's into the
+output). They let an FP8 pool hold values beyond the format's range (e4m3: +-448) without saturating; an FP8
+pool still saturates what lies beyond range x scale. Powers of two make the division and the product exact.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -47,6 +53,26 @@ class KVPool:
         self.layout = layout
         inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
         self.data = torch.zeros((num_layers, num_pages, 2, *inner, head_dim), dtype=dtype, device=self.device)
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
+
+    def set_scales(self, k_scale: list[float], v_scale: list[float]) -> None:
+        """Per-layer K and V scales (powers of two). Set them before anything is stored: stored values are
+        not rescaled."""
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if len(scales) != self.num_layers:
+                raise ValueError(f"{name}: {len(scales)} values for {self.num_layers} layers")
+            for s in scales:
+                if not (s > 0 and math.isfinite(s) and math.frexp(s)[0] == 0.5):
+                    raise ValueError(f"{name} {s!r} is not a positive power of two")
+        self.k_scale = [float(s) for s in k_scale]
+        self.v_scale = [float(s) for s in v_scale]
+
+    @property
+    def store_limit(self) -> float:
+        """The largest magnitude a stored value may take: the FP8 format's finite maximum, 0.0 (no clamp)
+        for other dtypes."""
+        return torch.finfo(self.dtype).max if self.is_fp8 else 0.0
 
     @property
     def usable_pages(self) -> int:
@@ -92,11 +118,13 @@ class KVPool:
 
     def write(self, layer_id: int, index, k: torch.Tensor, v: torch.Tensor):
         """Store new tokens' K and V ([N, kv_heads, head_dim]) at `index` (slot_index of N tokens)."""
+        ks, vs = self.k_scale[layer_id], self.v_scale[layer_id]
+        if ks != 1.0 or vs != 1.0:
+            k, v = k.float() * (1.0 / ks), v.float() * (1.0 / vs)
         kv = torch.stack([k, v], dim=1)
         if self.is_fp8:
-            # Saturate: the cast itself turns values beyond the format's range into NaN. Scale is 1.0.
-            limit = torch.finfo(self.dtype).max
-            kv = kv.clamp(-limit, limit)
+            # Saturate: the cast itself turns values beyond the format's range into NaN.
+            kv = kv.clamp(-self.store_limit, self.store_limit)
         kv = kv.to(self.dtype)
         if self.layout == "HND":
             pages, offsets = index
@@ -105,7 +133,8 @@ class KVPool:
             self.rows(layer_id)[index.view(-1)] = kv.view(-1, self.kv_heads, self.head_dim)
 
     def read(self, layer_id: int, index) -> torch.Tensor:
-        """K and V of the tokens at `index` (slot_index over a shape S): [*S, 2, kv_heads, head_dim]."""
+        """K and V of the tokens at `index` (slot_index over a shape S) as stored, before their scales:
+        [*S, 2, kv_heads, head_dim]."""
         if self.layout == "HND":
             pages, offsets = index
             return self.tokens_view(layer_id)[pages, :, offsets]

@@ -62,3 +62,34 @@ def test_two_ranks_match_one_and_transformers(family, tiny_models, tmp_path):
     while single.has_work():
         single.step()
     assert seeded.output_ids == ranks[0]["outputs"]["seeded"]
+
+
+def rank_bounds(rank: int, size: int, addr: str, path: str, out: str) -> None:
+    from engine.kv_scales import kv_bounds
+    from engine.loader import load_model
+    from engine.parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
+    model = load_model(path, torch.float32, torch.device("cpu"), tp)
+    torch.save(kv_bounds(model), f"{out}.{rank}")
+
+
+def test_ranks_agree_on_the_fp8_kv_bounds_of_the_whole_model(tiny_models, tmp_path):
+    """Each rank holds half of the KV heads; the per-layer bound (and so the FP8 scale) is over all of them,
+    so that every rank's pool, and a worker with another --tp, store the same values."""
+    from engine.kv_scales import kv_bounds
+    from engine.loader import load_model
+
+    path, _ = tiny_models["qwen2"]
+    out = str(tmp_path / "bounds")
+    ctx = mp.get_context("spawn")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=rank_bounds, args=(r, 2, addr, path, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    whole = kv_bounds(load_model(path, torch.float32, torch.device("cpu")))
+    for r in range(2):
+        assert torch.allclose(torch.tensor(torch.load(f"{out}.{r}")), torch.tensor(whole), rtol=1e-5)

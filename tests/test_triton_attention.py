@@ -43,8 +43,9 @@ def batch(pool: KVPool, prefix_lens: list[int], extend_lens: list[int], gen: tor
                            torch.tensor(out_pages), torch.tensor(out_offsets), max(seq), max(extend_lens))
 
 
-def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0, layout="NHD"):
-    """The same step through both backends: (attention output, pool after the step) for each."""
+def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0, layout="NHD", scales=(1.0, 1.0)):
+    """The same step through both backends: (attention output, pool after the step) for each. `scales`: the
+    pool's K and V scales; the cached prefix holds the same K and V whatever they are."""
     g = torch.Generator().manual_seed(seed)
     n = sum(extend_lens)
     q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, generator=g).to(dtype)
@@ -53,7 +54,9 @@ def run(cfg, prefix_lens, extend_lens, dtype=torch.float32, seed=0, layout="NHD"
     outs = {}
     for name in ("torch", "triton"):
         pool = KVPool(96, PAGE, 1, cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu", layout)
+        pool.set_scales([scales[0]], [scales[1]])
         init = torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(seed + 1))
+        init /= torch.tensor(scales).view(2, 1, 1, 1)
         pool.data[:, 1:] = init[:, 1:].to(dtype)  # page 0 stays zero
         x = batch(pool, prefix_lens, extend_lens, torch.Generator().manual_seed(seed + 2))
         step = create_backend(name, pool, cfg).plan(x)
@@ -131,6 +134,20 @@ def test_prefill_over_cached_prefix_matches_reference(cfg, layout):
     assert close(outs["triton"][0], outs["torch"][0], 1e-4)
 
 
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_scales_are_folded_into_scores_and_output(step):
+    """A pool stores K / k_scale and V / v_scale (an FP8 pool's scales; a float32 pool here, as the
+    interpreter's FP8 cast is not the hardware's): attention reads them back times the scales, in both
+    backends, so the output is that of an unscaled pool."""
+    prefix, extend = ([600, 5, 300, 17], [1] * 4) if step == "decode" else ([0, 37, 16, 70], [40, 9, 1, 66])
+    plain = run(config(), prefix, extend)
+    scaled = run(config(), prefix, extend, scales=(8.0, 0.125))
+    assert close(scaled["torch"][0], plain["torch"][0], 1e-5)
+    assert close(scaled["triton"][0], plain["torch"][0], 1e-4)
+    assert torch.equal(scaled["triton"][1], scaled["torch"][1])
+    assert not torch.equal(scaled["torch"][1], plain["torch"][1])
+
+
 def test_half_precision_within_tolerance():
     # fp16 here: the interpreter has no bfloat16 matrix product (numpy has no bfloat16); the GPU benchmark
     # checks the bf16 kernels against the torch backend.
@@ -178,7 +195,8 @@ def test_page_copy_kernel_moves_whole_pages_across_pools():
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
                          ids=["fp32", "bf16"])
-def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout):
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (4.0, 0.25)], ids=["unscaled", "scaled"])
+def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout, scales):
     from engine.model import Rotary
 
     cfg = config(heads=8, kv_heads=2, head_dim=64)
@@ -193,6 +211,7 @@ def test_fused_rope_and_kv_store_match_the_unfused_path(dtype, kv_dtype, layout)
     outs = {}
     for fused in (False, True):
         pool = KVPool(8, PAGE, 1, 2, 64, kv_dtype, "cpu", layout)
+        pool.set_scales([scales[0]], [scales[1]])
         x = batch(pool, [5, 0, 30], [3, 5, 1], torch.Generator().manual_seed(4))
         step = create_backend("torch", pool, cfg).plan(x)
         step.fused = fused
@@ -387,18 +406,19 @@ def test_gemv_with_rope_is_qkv_proj_then_rope_store(weights, heads, kv_heads, di
     cos, sin = Rotary(cfg).lookup(torch.tensor([1234]), x.dtype)
     pages, slots = torch.tensor([5]), torch.tensor([7])
     results = []
+    kv_scales = (2.0, 0.25)  # the pool's K and V scales: both paths store k / 2 and v * 4
     for fused in (False, True):
         pool = KVPool(8, PAGE, 1, kv_heads, dim, x.dtype, "cpu", layout)
         kv = pool.tokens_view(0)
         counters = torch.zeros(n, dtype=torch.int32)
         if fused:
             q = gemv(x, w, scale, bias, launch=launch, counters=counters,
-                     rope=RopeTarget(cos[0, 0], sin[0, 0], kv, pages, slots, heads))
+                     rope=RopeTarget(cos[0, 0], sin[0, 0], kv, pages, slots, heads, *kv_scales))
         else:
             qkv = gemv(x, w, scale, bias, launch=launch, counters=counters)
             qk = qkv[:, : (heads + kv_heads) * dim].view(1, heads + kv_heads, dim)
             v = qkv[:, (heads + kv_heads) * dim:].view(1, kv_heads, dim)
-            q = rope_store(qk, v, (cos, sin), kv, pages, slots, heads)
+            q = rope_store(qk, v, (cos, sin), kv, pages, slots, heads, *kv_scales)
         results.append((q, pool.data.clone()))
         assert not counters.any()
     (q_ref, pool_ref), (q_got, pool_got) = results

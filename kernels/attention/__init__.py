@@ -31,11 +31,12 @@ def default_backend(device) -> str:
     return "torch"
 
 
-def create_backend(name: str, pool, config) -> AttentionBackend:
+def create_backend(name: str, pool, config, dtype=None) -> AttentionBackend:
+    """`dtype`: the queries' (the model's activations); by default the pool's, which an FP8 pool's is not."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(pool, config)
+    return getattr(importlib.import_module(module), cls)(pool, config, dtype)
 
 
 __all__ = ["AttentionBackend", "AttentionInputs", "backend_names", "create_backend", "default_backend"]

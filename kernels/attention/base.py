@@ -74,7 +74,7 @@ class AttentionStep(ABC):
 
         cos, sin = cos_sin
         return RopeTarget(cos[0, 0], sin[0, 0], self.pool.tokens_view(layer_id), self.x.out_pages,
-                          self.x.out_offsets, num_q_heads)
+                          self.x.out_offsets, num_q_heads, self.pool.k_scale[layer_id], self.pool.v_scale[layer_id])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; stores k/v into the pool first."""
@@ -88,16 +88,17 @@ class AttentionStep(ABC):
 
         if use_fused(qk, self.fused):
             q = rope_store(qk, v, cos_sin, self.pool.tokens_view(layer_id), self.x.out_pages, self.x.out_offsets,
-                           num_q_heads)
+                           num_q_heads, self.pool.k_scale[layer_id], self.pool.v_scale[layer_id])
             return self.attend(q, layer_id)
         q, k = apply_rope_ref(cos_sin, qk).split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
         return self.forward(q, k, v, layer_id)
 
 
 class AttentionBackend(ABC):
-    def __init__(self, pool, config):
+    def __init__(self, pool, config, dtype=None):
         self.pool = pool
         self.config = config
+        self.dtype = dtype or pool.dtype  # the queries'; an FP8 pool's differs
 
     @abstractmethod
     def plan(self, inputs: AttentionInputs) -> AttentionStep:

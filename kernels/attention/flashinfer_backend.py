@@ -27,9 +27,9 @@ def check_supported(config) -> None:
 
 
 class FlashInferBackend(AttentionBackend):
-    def __init__(self, pool, config):
+    def __init__(self, pool, config, dtype=None):
         check_supported(config)
-        super().__init__(pool, config)
+        super().__init__(pool, config, dtype)
         import flashinfer
 
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
@@ -39,7 +39,7 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, x: AttentionInputs) -> AttentionStep:
         c = self.config
         common = dict(window_left=(c.sliding_window - 1) if c.sliding_window else -1,
-                      q_data_type=self.pool.dtype, kv_data_type=self.pool.dtype, sm_scale=c.head_dim ** -0.5)
+                      q_data_type=self.dtype, kv_data_type=self.pool.dtype, sm_scale=c.head_dim ** -0.5)
         shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.pool.page_size)
         if x.is_decode:
             self.decode.plan(x.kv_indptr, x.kv_indices, x.kv_last_page_len, *shape, **common)
@@ -58,4 +58,5 @@ class _FlashInferStep(AttentionStep):
         self.x = x
 
     def attend(self, q, layer_id):
-        return self.wrapper.run(q, self.pool.layer(layer_id))
+        return self.wrapper.run(q, self.pool.layer(layer_id), k_scale=self.pool.k_scale[layer_id],
+                                v_scale=self.pool.v_scale[layer_id])

@@ -55,6 +55,9 @@ class _TorchStep(AttentionStep):
         x = self.x
         kv = self.pool.read(layer_id, self.gather_index)  # [B, L, 2, Hkv, D]
         keys, values = kv.to(q.dtype).unbind(2)  # [B, L, Hkv, D]
+        ks, vs = self.pool.k_scale[layer_id], self.pool.v_scale[layer_id]
+        if ks != 1.0 or vs != 1.0:
+            keys, values = keys * ks, values * vs
         bsz, q_len = x.batch_size, x.max_extend_len
         heads, dim = q.shape[1], q.shape[2]
         if self.dense:

@@ -1,6 +1,7 @@
 """Paged attention in Triton: a split-KV decode kernel and a prefill kernel over a cached prefix.
 
 Both read K/V straight from the pool through the page table, so nothing is gathered or padded in memory.
+The layer's K scale (kvstore/pool.py) is folded into the softmax scale, and its V scale into the output.
 
 Decode, for request b and KV head h (GQA: the G query heads sharing h are one tile, so K/V is read once per
 group), split s of the KV range:   scores = q[G, D] . K[t, D] for t in the split, online softmax, partial
@@ -43,7 +44,7 @@ def _decode_split_kernel(
     stride_kp, stride_kkv, stride_ks, stride_kh,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    scale, window,
+    scale, v_scale, window,
     S: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr, EARLY_KV: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -84,7 +85,7 @@ def _decode_split_kernel(
             row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
             old = (valid & (t < seq_len - 1))[:, None] & dmask
             # Widened to the query's dtype at once: k and v are carried into the loop below, which loads them
-            # widened (an FP8 pool; its scale is 1.0), and a loop-carried value keeps one type.
+            # widened (an FP8 pool), and a loop-carried value keeps one type.
             k = tl.load(KV + row[:, None] + d[None, :], mask=old, other=0.0).to(Q.dtype.element_ty)
             v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=old, other=0.0).to(Q.dtype.element_ty)
             tn = t + BLOCK_N
@@ -121,7 +122,7 @@ def _decode_split_kernel(
             k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
             v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         lse = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
         omask = (g[:, None] < G) & (d[None, :] < D)
         tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out,
@@ -163,7 +164,7 @@ def _prefill_kernel(
     Q, KV, Out, qo_indptr, indptr, indices, seq_lens, prefix_lens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kkv, stride_ks, stride_kh,
-    scale, window,
+    scale, v_scale, window,
     PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -197,7 +198,7 @@ def _prefill_kernel(
         page = tl.load(indices + page_base + t // PAGE, mask=valid, other=0).to(tl.int64)
         row = page * stride_kp + (t % PAGE) * stride_ks + kvh * stride_kh
         kmask = valid[:, None] & (d[None, :] < D)
-        # An FP8 pool is widened to the query's dtype as it is read (its scale is 1.0).
+        # An FP8 pool is widened to the query's dtype as it is read; its scales apply to scores and output.
         k = tl.load(KV + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
         v = tl.load(KV + stride_kkv + row[:, None] + d[None, :], mask=kmask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
@@ -212,7 +213,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(Out + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=qmask)
 
@@ -277,6 +278,7 @@ class _TritonStep(AttentionStep):
         block_d = triton.next_power_of_2(dim)
         # float32 pools keep float32 products (no tf32); bf16/fp16 use the tensor cores as they are.
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        scale, v_scale = self.scale * self.pool.k_scale[layer_id], self.pool.v_scale[layer_id]
         out = torch.empty_like(q)
         if x.is_decode:
             on = pdl.enabled(q)
@@ -292,7 +294,7 @@ class _TritonStep(AttentionStep):
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 o_part.stride(0), o_part.stride(1), o_part.stride(2),
                 lse.stride(0), lse.stride(1),
-                self.scale, self.window,
+                scale, v_scale, self.window,
                 S=self.splits, PAGE=self.pool.page_size, G=self.group, BLOCK_G=max(16, triton.next_power_of_2(self.group)),
                 D=dim, BLOCK_D=block_d, BLOCK_N=self.launch.block_n, MIN_CHUNK=self.launch.min_chunk,
                 PRECISION=precision,
@@ -311,7 +313,7 @@ class _TritonStep(AttentionStep):
             q, kv, out, x.qo_indptr, x.kv_indptr, x.kv_indices, x.seq_lens, x.prefix_lens,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-            self.scale, self.window,
+            scale, v_scale, self.window,
             PAGE=self.pool.page_size, G=self.group, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=64,
             PRECISION=precision, num_warps=8,
         )
