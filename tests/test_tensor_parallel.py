@@ -30,21 +30,25 @@ def rank_main(rank: int, size: int, addr: str, path: str, out: str) -> None:
                 "kv_heads": engine.pool.kv_heads}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_two_ranks_match_one_and_transformers(family, tiny_models, tmp_path):
-    from engine import Engine, SamplingParams
-
-    path, hf = tiny_models[family]
-    out = str(tmp_path / "tp")
+def run_ranks(target, path: str, out: str, size: int = 2) -> list:
+    """Run target(rank, size, addr, path, out) in `size` spawned processes; what each rank saved to out.RANK."""
     ctx = mp.get_context("spawn")
     addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, 2, addr, path, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, size, addr, path, out)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
         assert p.exitcode == 0
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    return [torch.load(f"{out}.{r}") for r in range(size)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_two_ranks_match_one_and_transformers(family, tiny_models, tmp_path):
+    from engine import Engine, SamplingParams
+
+    path, hf = tiny_models[family]
+    ranks = run_ranks(rank_main, path, str(tmp_path / "tp"))
     assert ranks[0]["outputs"] == ranks[1]["outputs"], "every rank takes the same decisions"
     assert ranks[0]["kv_heads"] == 1, "each rank keeps half of the 2 KV heads"
 
@@ -81,15 +85,7 @@ def test_ranks_agree_on_the_fp8_kv_bounds_of_the_whole_model(tiny_models, tmp_pa
     from engine.loader import load_model
 
     path, _ = tiny_models["qwen2"]
-    out = str(tmp_path / "bounds")
-    ctx = mp.get_context("spawn")
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_bounds, args=(r, 2, addr, path, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    ranks = run_ranks(rank_bounds, path, str(tmp_path / "bounds"))
     whole = kv_bounds(load_model(path, torch.float32, torch.device("cpu")))
-    for r in range(2):
-        assert torch.allclose(torch.tensor(torch.load(f"{out}.{r}")), torch.tensor(whole), rtol=1e-5)
+    for bounds in ranks:
+        assert torch.allclose(torch.tensor(bounds), torch.tensor(whole), rtol=1e-5)
