@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 from engine.args import EngineArgs
+from engine.children import die_with_parent
 
 
 def _log(level: str) -> None:
@@ -59,6 +60,10 @@ def run_coordinator(ns) -> None:
 def run_worker(ns, role: str) -> None:
     from engine.worker import Worker, WorkerArgs
 
+    if ns.tp_size > 1 and ns.dist_init_addr is None:
+        from engine.tp_worker import local_dist_addr
+
+        ns.dist_init_addr = local_dist_addr()
     args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
                       coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
                       transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
@@ -66,21 +71,32 @@ def run_worker(ns, role: str) -> None:
     Worker(args).run()
 
 
-def die_with_parent() -> None:
-    """In a child of `up`: get SIGTERM when `up` itself dies, even by SIGKILL (Linux), so no worker is
-    left behind holding a GPU."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _gpu_plan(engine_argv: list[str], workers: int) -> list[list[str]]:
+    """Extra flags per worker of `up`: with --tp N on a GPU machine, worker k's ranks take the N GPUs from
+    k * N on (round the machine's GPUs, so workers share them when there are fewer GPUs than ranks). Without
+    tensor parallelism every worker stays on the first GPU, as before."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--base-gpu-id", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    known, _ = p.parse_known_args(engine_argv)
+    if known.tp_size <= 1 or known.base_gpu_id is not None or known.device != "auto":
+        return [[] for _ in range(workers)]
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return [[] for _ in range(workers)]
+    if count < known.tp_size:
+        raise SystemExit(f"pdserve up: --tp {known.tp_size} needs {known.tp_size} GPUs, this machine has {count}")
+    per = count // known.tp_size  # workers that fit side by side
+    return [["--base-gpu-id", str((k % per) * known.tp_size)] for k in range(workers)]
 
 
 def run_up(ns, engine_argv: list[str]) -> int:
@@ -100,9 +116,11 @@ def run_up(ns, engine_argv: list[str]) -> int:
     reach = ["--redis-url", ns.redis_url] if ns.redis_url else ["--coordinator-addr", f"tcp://{ns.host}:{zmq_port}"]
     plan = [("prefill", ns.prefill), ("decode", ns.decode)] if ns.colocated == 0 else [("colocated", ns.colocated)]
     cmds = [coord]
+    gpus = _gpu_plan(engine_argv, sum(n for _, n in plan))
     for role, n in plan:
         for _ in range(n):
-            cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv)
+            cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv
+                        + gpus.pop(0))
     # Ctrl-C and SIGTERM only ask the loop below to stop: no exception lands inside a library call, and an
     # `up` started as a background job (which inherits SIGINT ignored) still stops on SIGINT.
     stopping: list[int] = []

@@ -53,9 +53,13 @@ class EngineArgs:
     random_seed: int | None = None
     # Tensor parallelism: this process is rank tp_rank of tp_size, meeting the others at dist_init_addr
     # (a torch.distributed init method such as tcp://10.0.0.1:29500). Every rank runs the same requests.
+    # A worker (`pdserve prefill/decode/worker --tp N`) is rank 0 and starts ranks 1..N-1 itself, on this
+    # host, at a free local address when dist_init_addr is None (engine/tp_worker.py).
     tp_size: int = 1
     tp_rank: int = 0
     dist_init_addr: str | None = None
+    # The first GPU this process group uses: rank r runs on cuda:(base_gpu_id + r) ("device" auto).
+    base_gpu_id: int = 0
     # CUDA graphs for decode steps (GPU, triton backend): off switch, largest batch, longest context (None:
     # the model's context length; a step with a longer context runs eagerly, several times slower).
     disable_cuda_graph: bool = False
@@ -82,6 +86,8 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
         if self.tp_size > 1 and not self.dist_init_addr:
@@ -101,7 +107,7 @@ class EngineArgs:
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             if torch.cuda.is_available():
-                return torch.device("cuda", self.tp_rank if self.tp_size > 1 else 0)
+                return torch.device("cuda", self.base_gpu_id + self.tp_rank)
             return torch.device("cpu")
         return torch.device(self.device)
 
@@ -172,6 +178,7 @@ class EngineArgs:
         p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         p.add_argument("--tp-rank", type=int, default=0)
         p.add_argument("--dist-init-addr", default=None)
+        p.add_argument("--base-gpu-id", type=int, default=0)
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--cuda-graph-max-bs", type=int, default=160)
         p.add_argument("--cuda-graph-max-context", type=int, default=None)

@@ -125,8 +125,10 @@ class Engine:
             if num_pages < 2:
                 raise RuntimeError(f"no memory left for the KV pool (budget {budget} bytes); raise "
                                    f"--mem-fraction-static or set --max-total-tokens")
+        # Every rank must hand out the same pages, so all take the smallest pool any rank has room for.
+        num_pages = self.tp.min_int(num_pages)
         pool = KVPool(num_pages, a.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                      a.kv_dtype, self.device, a.kv_layout)
+                      a.kv_dtype, self.device, a.kv_layout, self.tp.rank, self.tp.size)
         logger.info("KV pool: %d pages of %d tokens, max_total_num_tokens=%d, %.1f MiB",
                     num_pages, a.page_size, pool.max_total_num_tokens, pool.data.numel() * pool.data.element_size()
                     / 2**20)

@@ -23,6 +23,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object = None  # torch.distributed ProcessGroup; None with size 1
+    device: object = None  # this rank's torch.device: where NCCL wants the tensors of small collectives
 
     def shard_config(self, c: ModelConfig) -> ModelConfig:
         """This rank's view of the model: its share of heads and of the MLP width (vocab stays whole)."""
@@ -48,6 +49,14 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
@@ -59,7 +68,9 @@ class TensorParallel:
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
     if size == 1:
         return TensorParallel()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts, so its communicator lands on this rank's GPU
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                                 rank=rank, world_size=size)
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, device)

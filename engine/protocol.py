@@ -49,13 +49,18 @@ class KVLayout(msgspec.Struct, frozen=True):
     # Per-layer K and V scales of the stored values (kvstore/pool.py); empty: all 1.0.
     k_scale: tuple[float, ...] = ()
     v_scale: tuple[float, ...] = ()
+    # Tensor parallelism: the pool holds rank tp_rank's share of tp_size. Workers pair only with workers of
+    # the same tp_size (the registry shows rank 0's layout); rank r's pages go to the peer's rank r.
+    tp_size: int = 1
+    tp_rank: int = 0
 
     @classmethod
     def of(cls, pool) -> "KVLayout":
         unit = all(s == 1.0 for s in pool.k_scale + pool.v_scale)
         return cls(pool.num_layers, pool.page_size, pool.kv_heads, pool.head_dim,
                    str(pool.dtype).removeprefix("torch."), pool.layout,
-                   () if unit else tuple(pool.k_scale), () if unit else tuple(pool.v_scale))
+                   () if unit else tuple(pool.k_scale), () if unit else tuple(pool.v_scale),
+                   pool.tp_size, pool.tp_rank)
 
 
 class WorkerInfo(msgspec.Struct):

@@ -58,7 +58,20 @@ class Worker:
     def __init__(self, args: WorkerArgs, engine: Engine | None = None):
         self.args = args
         self.worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.engine = engine or Engine(args.engine)
+        self.followers = None  # engine/tp_worker.py: ranks 1..N-1 of a tensor-parallel worker
+        if engine is None and args.engine.tp_size > 1:
+            from engine.tp_worker import Followers
+
+            if args.engine.tp_rank != 0:
+                raise ValueError("a worker is rank 0 of its tensor-parallel group and starts the other ranks itself; "
+                                 "leave --tp-rank out")
+            self.followers = Followers(args, self.worker_id)
+        try:
+            self.engine = engine or Engine(args.engine)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close()
+            raise
         self.ctx = zmq.Context()
         self.ctrl = self.ctx.socket(zmq.PULL)
         self.ctrl.setsockopt(zmq.LINGER, 0)
@@ -77,6 +90,8 @@ class Worker:
                 if args.transfer_backends != "auto":
                     raise
                 logger.warning("transfer backend %s unavailable here: %s", n, e)
+        if self.followers is not None:
+            self._join_followers()
         self.outbox = Outbox(self.ctx)
         self.stopping = False
         self.started_at = time.time()
@@ -86,6 +101,26 @@ class Worker:
         self._heartbeat = _Heartbeat(self)
         logger.info("worker %s (%s) listening on %s, transfer: %s", self.worker_id, args.role, self.ctrl_addr,
                     ", ".join(self.transfers))
+
+    def _join_followers(self) -> None:
+        """Once every rank is up: offer the backends all ranks have, publish every rank's endpoint under
+        each, and route the roles' calls through the mirrors."""
+        from engine.tp_worker import MirroredEngine, MirroredTransfer
+        from transfer import join_rank_endpoints
+
+        try:
+            ranks = self.followers.wait_ready()
+        except BaseException:
+            self.followers.close()
+            raise
+        for n in list(self.transfers):
+            if not all(n in r for r in ranks):
+                logger.warning("transfer backend %s dropped: not every tensor-parallel rank has it", n)
+                self.transfers.pop(n).close()
+                self.endpoints.pop(n)
+        self.endpoints = {n: join_rank_endpoints([ep] + [r[n] for r in ranks]) for n, ep in self.endpoints.items()}
+        self.transfers = {n: MirroredTransfer(n, t, self.followers) for n, t in self.transfers.items()}
+        self.engine = MirroredEngine(self.engine, self.followers)
 
     # --- messaging ------------------------------------------------------------------------------------------
     def send(self, addr: str, msg) -> bool:
@@ -131,6 +166,8 @@ class Worker:
             self.close()
 
     def run_once(self) -> None:
+        if self.followers is not None:
+            self.followers.check()
         while True:
             try:
                 raw = self.ctrl.recv(flags=zmq.NOBLOCK)
@@ -158,6 +195,8 @@ class Worker:
 
     def close(self) -> None:
         self._heartbeat.stop()
+        if self.followers is not None:
+            self.followers.close()
         for t in self.transfers.values():
             t.close()
         self.outbox.close()

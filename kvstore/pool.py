@@ -38,6 +38,8 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         layout: str = "NHD",
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         if layout not in ("NHD", "HND"):
             raise ValueError(f"KV layout must be NHD or HND, got {layout!r}")
@@ -51,6 +53,10 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout = layout
+        # Under tensor parallelism the pool holds rank tp_rank's share of the KV heads; a page moves only
+        # between pools of the same rank and size.
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
         self.data = torch.zeros((num_layers, num_pages, 2, *inner, head_dim), dtype=dtype, device=self.device)
         self.k_scale = [1.0] * num_layers

@@ -319,3 +319,31 @@ def test_a_failed_kv_transfer_places_the_request_again_and_other_prefill_errors_
             await d.stop()
 
     run(scenario())
+
+
+def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
+    """Rank r's pages go to the peer's rank r, so a prefill worker of one rank pairs only with decode workers
+    of one rank: d1 (two ranks, each with one of the two KV heads) is never asked."""
+    import msgspec
+
+    registry, workers, reply = cluster
+    d1 = workers["d1"].info
+    registry.put(msgspec.structs.replace(d1, layout=KVLayout(2, 16, 1, 32, "float32", tp_size=2)))
+
+    async def scenario():
+        d = Dispatcher(registry)
+        d.refresh()
+        await d.start()
+        reply.connect(d.addr)
+        try:
+            placing = [asyncio.create_task(d.submit([1, 2, 3], {})) for _ in range(3)]
+            for _ in range(3):
+                msg, name = await allocate_reply(workers, ["d0", "d1"], reply)
+                assert name == "d0"
+            placed = await asyncio.gather(*placing)
+            assert [t.decode_id for t in placed] == ["d0"] * 3
+            assert not [m for m in workers["d1"].drain() if isinstance(m, Allocate)]
+        finally:
+            await d.stop()
+
+    run(scenario())

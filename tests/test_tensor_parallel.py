@@ -28,6 +28,7 @@ def rank_main(rank: int, size: int, addr: str, path: str, out: str) -> None:
     engine.check()
     torch.save({"outputs": {r.rid: r.output_ids for r in reqs}, "logits": {k: torch.stack(v) for k, v in seen.items()},
                 "kv_heads": engine.pool.kv_heads}, f"{out}.{rank}")
+    leave_group()
 
 
 def run_ranks(target, path: str, out: str, size: int = 2) -> list:
@@ -76,6 +77,16 @@ def rank_bounds(rank: int, size: int, addr: str, path: str, out: str) -> None:
     tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
     model = load_model(path, torch.float32, torch.device("cpu"), tp)
     torch.save(kv_bounds(model), f"{out}.{rank}")
+    leave_group()
+
+
+def leave_group() -> None:
+    """Both ranks done, then the group torn down: a rank that exits while the other's gloo threads still
+    talk to it can abort at exit."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_ranks_agree_on_the_fp8_kv_bounds_of_the_whole_model(tiny_models, tmp_path):

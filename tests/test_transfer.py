@@ -10,7 +10,7 @@ import zmq
 
 from engine.protocol import Abort, KVReady, decode, encode
 from kvstore import KVPool
-from transfer import agree, available_backends, create_transfer
+from transfer import agree, available_backends, create_transfer, join_rank_endpoints, rank_endpoints
 
 BACKENDS = ["tcp", "nixl"]
 
@@ -106,6 +106,22 @@ def test_cuda_ipc_only_between_processes_of_one_machine():
     assert agree(here, dict(here)) == "cuda_ipc"
     assert agree(here, there) == "tcp"
     assert agree(here, there, "cuda_ipc") is None
+    # Tensor-parallel workers publish every rank's endpoint; their machine is rank 0's.
+    ranks_here = {"cuda_ipc": join_rank_endpoints([ep(machine_id()), ep(machine_id())]), "tcp": b"t"}
+    ranks_there = {"cuda_ipc": join_rank_endpoints([ep("another-machine"), ep(machine_id())]), "tcp": b"t"}
+    assert agree(ranks_here, dict(ranks_here)) == "cuda_ipc"
+    assert agree(ranks_here, ranks_there) == "tcp"
+    assert agree({"cuda_ipc": b"pdserve-ranks\x00\xc1", "tcp": b"t"}, ranks_here) == "tcp"
+
+
+def test_per_rank_endpoints_round_trip_and_malformed_ones_are_refused():
+    assert rank_endpoints(b"tcp://a:1") == [b"tcp://a:1"]
+    assert join_rank_endpoints([b"tcp://a:1"]) == b"tcp://a:1"  # one rank: the plain endpoint, as before
+    joined = join_rank_endpoints([b"tcp://a:1", b"tcp://a:2", b"\x00binary"])
+    assert rank_endpoints(joined) == [b"tcp://a:1", b"tcp://a:2", b"\x00binary"]
+    for bad in (b"pdserve-ranks\x00\xc1", b"pdserve-ranks\x00\x90", b"pdserve-ranks\x00\x92\x01\x02"):
+        with pytest.raises(ValueError):
+            rank_endpoints(bad)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -1,0 +1,381 @@
+"""A tensor-parallel worker: rank 0 runs the worker loop, ranks 1..N-1 repeat its calls.
+
+The worker process is rank 0, the leader. It starts the other ranks, the followers, as child processes on
+its host. Each follower loads its shard of the model, makes its own KV pool (its share of the KV heads) and
+its own transfer engines, and reports their endpoints. From then on, every call that the leader's role makes
+on the engine or on a transfer engine goes, in order, to every follower (msgpack over one ZMQ socket each),
+which makes the same call. The engines are replicas of one scheduler, so every rank batches the same tokens
+into the same pages and meets the others in the same collectives. Sampling agrees without a broadcast: the
+logits are all-gathered, and unseeded requests draw their seeds from one seeded generator on every rank.
+
+KV moves rank to rank. Rank r of a prefill worker pushes its heads to rank r of the decode worker, at the
+endpoint the decode worker published for that rank (transfer.rank_endpoints). When the leader's transfer
+reports a request sent or landed, the followers wait for their own before their next call, so that no rank
+decodes (or frees) pages whose KV is not in place.
+
+The group fails as a unit: a follower that dies, or whose pages never land, ends the worker, and the
+coordinator places the worker's requests again elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from engine.children import die_with_parent
+from engine.request import Logprob
+from transfer import rank_endpoints
+
+logger = logging.getLogger(__name__)
+
+_enc = msgspec.msgpack.Encoder()
+
+
+class _Hello(msgspec.Struct):
+    rank: int
+    endpoints: dict[str, bytes] = {}
+    error: str | None = None
+
+
+def local_dist_addr() -> str:
+    """A free local address for the group's torch.distributed rendezvous (all ranks on this host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Followers:
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them the leader's calls, watches them."""
+
+    def __init__(self, args, worker_id: str):
+        self.size = args.engine.tp_size
+        self.ctx = zmq.Context()
+        # Unix sockets in a directory only this user can enter: a PUSH socket deals its messages out to every
+        # peer that connects, so no other process may connect to one.
+        self.dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        self.hello = self.ctx.socket(zmq.PULL)
+        self.hello.setsockopt(zmq.LINGER, 0)
+        self.hello.bind(f"ipc://{self.dir}/hello")
+        self.socks: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        engine = dataclasses.asdict(args.engine)
+        for rank in range(1, self.size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block a call: the follower takes them all, in order
+            sock.bind(f"ipc://{self.dir}/rank{rank}")
+            self.socks.append(sock)
+            spec = dict(rank=rank, ops=sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                        hello=self.hello.getsockopt_string(zmq.LAST_ENDPOINT), leader=os.getpid(),
+                        worker_id=worker_id, host=args.host, transfer_backends=args.transfer_backends,
+                        timeout_s=args.transfer_timeout_s, engine=engine)
+            cmd = [sys.executable, "-m", "engine.tp_worker", msgspec.json.encode(spec).decode()]
+            self.procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent))
+
+    def wait_ready(self, timeout_s: float = 900.0) -> list[dict[str, bytes]]:
+        """Each follower's transfer endpoints (ranks 1..N-1), once all have loaded their shards."""
+        got: dict[int, dict[str, bytes]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.size - 1:
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks not ready in {timeout_s:.0f}s")
+            if self.hello.poll(200):
+                hello = msgspec.msgpack.decode(self.hello.recv(), type=_Hello)
+                if hello.error is not None:
+                    raise RuntimeError(f"tensor-parallel rank {hello.rank} failed to start: {hello.error}")
+                got[hello.rank] = hello.endpoints
+        return [got[r] for r in range(1, self.size)]
+
+    def call(self, op: str, *args) -> None:
+        raw = _enc.encode([op, *args])
+        for rank, sock in enumerate(self.socks, start=1):
+            try:
+                # With no limit on queued calls, a send only fails where the follower's end is gone.
+                sock.send(raw, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise RuntimeError(f"tensor-parallel rank {rank} no longer takes calls") from None
+
+    def check(self) -> None:
+        """Raise if a follower has exited: the group cannot go on without it."""
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode}")
+
+    def close(self) -> None:
+        try:
+            self.call("stop")
+        except (RuntimeError, zmq.ZMQError):
+            pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for sock in self.socks:
+            sock.close(0)
+        self.hello.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class MirroredEngine:
+    """The leader's engine as the roles see it: each call that changes its state goes to the followers first."""
+
+    def __init__(self, engine, followers: Followers):
+        self._engine = engine
+        self._followers = followers
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt, params=None, rid: str | None = None, detokenize: bool = True,
+                    prefill_only: bool = False):
+        if rid is None:
+            raise ValueError("requests of a tensor-parallel worker need ids")
+        self._followers.call("add_request", prompt, params, rid, detokenize, prefill_only)
+        return self._engine.add_request(prompt, params, rid, detokenize, prefill_only)
+
+    def reserve(self, rid: str, prompt_ids: list[int], params):
+        self._followers.call("reserve", rid, prompt_ids, params)
+        return self._engine.reserve(rid, prompt_ids, params)
+
+    def kv_arrived(self, rid: str, first_token: int, logprob: Logprob | None = None):
+        lp = None if logprob is None else [logprob.token_id, logprob.logprob, [list(t) for t in logprob.top]]
+        self._followers.call("kv_arrived", rid, first_token, lp)
+        return self._engine.kv_arrived(rid, first_token, logprob)
+
+    def abort(self, rid: str) -> bool:
+        self._followers.call("abort", rid)
+        return self._engine.abort(rid)
+
+    def drop_held(self, rid: str) -> None:
+        self._followers.call("drop_held", rid)
+        self._engine.drop_held(rid)
+
+    def step(self):
+        self._followers.call("step")
+        return self._engine.step()
+
+    def sync(self):
+        self._followers.call("sync")
+        return self._engine.sync()
+
+    def flush_cache(self) -> bool:
+        self._followers.call("flush_cache")
+        return self._engine.flush_cache()
+
+
+class MirroredTransfer:
+    """The leader's transfer engine of one backend: rank 0's half of every call here, the followers' there.
+    Its endpoint is every rank's, joined (transfer.join_rank_endpoints)."""
+
+    def __init__(self, name: str, transfer, followers: Followers):
+        self._t = transfer
+        self._name = name
+        self._followers = followers
+        self._refused: set[str] = set()  # sends refused here, which the followers never heard of
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify) -> None:
+        try:
+            eps = rank_endpoints(peer_endpoint)
+        except ValueError as e:
+            eps, why = [], str(e)
+        else:
+            why = f"the peer has {len(eps)} ranks, this worker {self._followers.size}"
+        if len(eps) != self._followers.size:
+            # The registry pairs only equal layouts, tp_size included; this is a peer that lies about its own.
+            from transfer.base import SendResult
+
+            self._t.done.append(self._t._record(SendResult(rid, False, f"{self._name}: {why}")))
+            self._refused.add(rid)
+            return
+        self._followers.call("send", self._name, rid, peer_id, eps, list(src_pages), list(dst_pages), notify)
+        self._t.send(rid, peer_id, eps[0], src_pages, dst_pages, notify)
+
+    def poll_sent(self):
+        out = self._t.poll_sent()
+        for res in out:
+            if res.rid in self._refused:
+                self._refused.discard(res.rid)
+            else:
+                self._followers.call("await_sent", self._name, res.rid)
+        return out
+
+    def expect(self, rid, dst_pages) -> None:
+        self._followers.call("expect", self._name, rid, list(dst_pages))
+        self._t.expect(rid, dst_pages)
+
+    def forget(self, rid) -> None:
+        self._followers.call("forget", self._name, rid)
+        self._t.forget(rid)
+
+    def poll_received(self):
+        out = self._t.poll_received()
+        for rid, _ in out:
+            self._followers.call("await_kv", self._name, rid)
+        return out
+
+    def drop_peer(self, peer_id: str, departed: bool = True) -> None:
+        self._followers.call("drop_peer", self._name, peer_id, departed)
+        self._t.drop_peer(peer_id, departed)
+
+    def release_stale_peers(self, live: set[str], idle_s: float | None = None) -> list[str]:
+        # The leader decides which peers are stale (the followers' clocks of last use differ from its own).
+        stale = self._t.release_stale_peers(live, idle_s)
+        for p in stale:
+            self._followers.call("drop_peer", self._name, p, False)
+        return stale
+
+
+class Follower:
+    """Rank r >= 1: repeats the leader's calls on its own engine and transfer engines."""
+
+    def __init__(self, spec: dict, engine, transfers: dict, ops: zmq.Socket):
+        self.rank = spec["rank"]
+        self.leader = spec["leader"]
+        self.timeout_s = spec["timeout_s"]
+        self.engine = engine
+        self.transfers = transfers
+        self.ops = ops
+        self.queue: deque = deque()
+        self.arrived: set[tuple[str, str]] = set()
+        self.sent: set[tuple[str, str]] = set()
+        self.poller = zmq.Poller()
+        self.poller.register(ops, zmq.POLLIN)
+        for t in transfers.values():
+            for sock in t.sockets():
+                self.poller.register(sock, zmq.POLLIN)
+
+    def run(self) -> None:
+        while True:
+            self._pump(1000)
+            while self.queue:
+                if not self._apply(self.queue.popleft()):
+                    return
+
+    def _pump(self, wait_ms: int) -> None:
+        """Take what the transfers and the leader have sent. An `expect` is applied as soon as it is read,
+        ahead of the calls before it: this rank's pages may arrive while it still works through those, and a
+        two-sided backend drops pages it does not expect. Early is safe: the leader reserved those pages only
+        once no step of any rank could still use them (the collectives keep the ranks within a step)."""
+        self.poller.poll(wait_ms)
+        for name, t in self.transfers.items():
+            self.arrived.update((name, rid) for rid, _ in t.poll_received())
+            self.sent.update((name, res.rid) for res in t.poll_sent())
+        while True:
+            try:
+                raw = self.ops.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            op = msgspec.msgpack.decode(raw)
+            if op[0] == "expect":
+                self.transfers[op[1]].expect(op[2], op[3])
+            else:
+                self.queue.append(op)
+        if os.getppid() != self.leader:
+            raise SystemExit(f"rank {self.rank}: the leader (pid {self.leader}) is gone")
+
+    def _wait(self, done: set, key: tuple[str, str], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while key not in done:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {self.rank}: {what} of {key[1]} ({key[0]}) not done in {self.timeout_s:.0f}s; "
+                                 "the group cannot go on without this rank's pages")
+            self._pump(5)
+        done.discard(key)
+
+    def _apply(self, op: list) -> bool:
+        name, args = op[0], op[1:]
+        e = self.engine
+        if name == "step":
+            e.step()
+        elif name in ("add_request", "reserve"):
+            try:
+                getattr(e, name)(*args)
+            except (ValueError, TypeError):
+                pass  # the leader met the same error and told the client
+        elif name == "kv_arrived":
+            rid, token, lp = args
+            e.kv_arrived(rid, token, None if lp is None else Logprob(lp[0], lp[1], [tuple(t) for t in lp[2]]))
+        elif name in ("abort", "drop_held"):
+            getattr(e, name)(args[0])
+        elif name in ("sync", "flush_cache"):
+            getattr(e, name)()
+        elif name == "send":
+            backend, rid, peer_id, eps, src, dst, notify = args
+            self.transfers[backend].send(rid, peer_id, eps[self.rank], src, dst, notify)
+        elif name == "forget":
+            self.transfers[args[0]].forget(args[1])
+            self.arrived.discard((args[0], args[1]))
+        elif name == "drop_peer":
+            self.transfers[args[0]].drop_peer(args[1], args[2])
+        elif name == "await_kv":
+            self._wait(self.arrived, (args[0], args[1]), "the KV transfer")
+        elif name == "await_sent":
+            self._wait(self.sent, (args[0], args[1]), "the send")
+        elif name == "stop":
+            return False
+        else:
+            raise SystemExit(f"rank {self.rank}: unknown call {name!r} from the leader")
+        return True
+
+
+def follower_main(spec: dict) -> None:
+    from engine.args import EngineArgs
+    from engine.engine import Engine
+    from transfer import available_backends, create_transfer
+
+    rank = spec["rank"]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    hello = ctx.socket(zmq.PUSH)
+    hello.setsockopt(zmq.LINGER, 2000)
+    hello.connect(spec["hello"])
+    ops = ctx.socket(zmq.PULL)
+    ops.setsockopt(zmq.LINGER, 0)
+    ops.connect(spec["ops"])
+    transfers = {}
+    try:
+        engine = Engine(EngineArgs(**{**spec["engine"], "tp_rank": rank}))
+        wanted = spec["transfer_backends"]
+        names = available_backends(engine.pool.data.is_cuda) if wanted == "auto" else wanted.split(",")
+        for n in names:
+            try:
+                transfers[n] = create_transfer(n, engine.pool, spec["worker_id"], spec["host"])
+            except Exception as e:
+                if wanted != "auto":
+                    raise
+                logger.warning("transfer backend %s unavailable on rank %d: %s", n, rank, e)
+    except BaseException as e:
+        hello.send(_enc.encode(_Hello(rank, error=f"{type(e).__name__}: {e}")))
+        raise
+    hello.send(_enc.encode(_Hello(rank, {n: t.endpoint() for n, t in transfers.items()})))
+    try:
+        Follower(spec, engine, transfers, ops).run()
+    finally:
+        for t in transfers.values():
+            t.close()
+        hello.close(0)
+        ops.close(0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    follower_main(msgspec.json.decode(sys.argv[1]))

@@ -1,0 +1,170 @@
+"""Tensor-parallel workers in the cluster: a worker started with --tp 2 runs a second rank of its own, and a
+1P1D cluster of such workers serves exactly what one process computes. (On CPUs, over gloo; the same code
+runs NCCL on GPUs.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from cluster import Cluster
+from test_models import PROMPTS
+
+STEPS = 10
+GREEDY = {"temperature": 0, "max_new_tokens": STEPS, "ignore_eos": True}
+SEEDED = {"temperature": 1.0, "seed": 11, "max_new_tokens": STEPS, "ignore_eos": True}
+
+
+def generate(c: Cluster, ids: list[int], params: dict) -> list[int]:
+    with c.client() as h:
+        r = h.post("/generate", json={"input_ids": ids, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+
+def one_process(path: str) -> dict:
+    """What a single engine (no tensor parallelism) generates for every prompt, greedy and seeded."""
+    from engine import Engine, SamplingParams
+
+    engine = Engine(model_path=path, max_total_tokens=4096)
+    reqs = {}
+    for i, p in enumerate(PROMPTS):
+        for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            sp = SamplingParams(temperature=params["temperature"], seed=params.get("seed"), max_tokens=STEPS,
+                                ignore_eos=True)
+            reqs[(name, i)] = engine.add_request(p, sp)
+    while engine.has_work():
+        engine.step()
+    return {k: r.output_ids for k, r in reqs.items()}
+
+
+def ranks_of(c: Cluster, worker_id: str) -> list[int]:
+    """Pids of the processes a worker started: its followers."""
+    out = subprocess.run(["pgrep", "-P", str(c.procs[worker_id].pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def assert_idle(c: Cluster) -> None:
+    for w in c.wait_clean():
+        ld = w["load"]
+        assert ld["running"] == 0 and ld["waiting"] == 0 and ld["pending_allocations"] == 0, w["worker_id"]
+        assert ld["free_pages"] + ld["cached_pages"] == ld["total_pages"], (w["worker_id"], ld)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    path, _ = tiny_models["llama"]
+    return one_process(path)
+
+
+@pytest.mark.parametrize("shape", [dict(prefill=1, decode=1, backend="tcp"), dict(prefill=1, decode=1, backend="nixl"),
+                                   dict(colocated=1)], ids=["1p1d-tcp", "1p1d-nixl", "colocated"])
+def test_tp2_workers_serve_what_one_process_computes(tiny_models, tmp_path, reference, shape):
+    path, _ = tiny_models["llama"]
+    c = Cluster(str(tmp_path), model_path=path, worker_args=["--tp", "2"], **shape)
+    try:
+        c.wait_ready()
+        workers = c.workers()
+        assert all(w["layout"]["tp_size"] == 2 and w["layout"]["kv_heads"] == 1 for w in workers), workers
+        for wid in c.roles:
+            assert len(ranks_of(c, wid)) == 1, "each worker runs its second rank as a child"
+        for i, p in enumerate(PROMPTS):
+            assert generate(c, p, GREEDY) == reference[("greedy", i)], i
+            assert generate(c, p, SEEDED) == reference[("seeded", i)], i
+        # Several at once: the ranks batch them alike, or the collectives would not meet.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: generate(c, PROMPTS[i % len(PROMPTS)], GREEDY), range(12)))
+        assert got == [reference[("greedy", i % len(PROMPTS))] for i in range(12)]
+        assert_idle(c)
+    finally:
+        c.stop()
+
+
+def test_a_client_that_leaves_mid_stream_frees_pages_on_every_rank(tiny_models, tmp_path, reference):
+    """Aborts reach the second ranks too: requests after the aborted ones still batch identically, so they
+    still match one process, and the pools end clean."""
+    path, _ = tiny_models["llama"]
+    c = Cluster(str(tmp_path), model_path=path, backend="tcp", prefill=1, decode=1, worker_args=["--tp", "2"])
+    try:
+        c.wait_ready()
+        for _ in range(3):
+            with c.client() as h, h.stream("POST", "/generate", json={
+                    "input_ids": PROMPTS[2], "stream": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # one chunk, then hang up
+        for i, p in enumerate(PROMPTS):
+            assert generate(c, p, GREEDY) == reference[("greedy", i)], i
+        assert_idle(c)
+    finally:
+        c.stop()
+
+
+def test_a_lost_rank_takes_its_worker_down(tiny_models, tmp_path):
+    """A group without one of its ranks cannot compute; the worker exits rather than hang, so the
+    coordinator's registry drops it."""
+    path, _ = tiny_models["llama"]
+    c = Cluster(str(tmp_path), model_path=path, backend="tcp", colocated=1, worker_args=["--tp", "2"])
+    try:
+        c.wait_ready()
+        wid = next(iter(c.roles))
+        (rank1,) = ranks_of(c, wid)
+        os.kill(rank1, signal.SIGKILL)
+        c.procs[wid].wait(timeout=30)
+        deadline = time.time() + 30
+        while c.workers() and time.time() < deadline:
+            time.sleep(0.3)
+        assert c.workers() == []
+        with c.client() as h:
+            r = h.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+        assert r.status_code == 503
+    finally:
+        c.stop()
+
+
+class _Calls:
+    """Stands in for the followers of a two-rank worker: the calls they would get."""
+
+    size = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, op, *args):
+        self.calls.append([op, *args])
+
+
+def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_size():
+    import torch
+
+    from engine.tp_worker import MirroredTransfer
+    from kvstore import KVPool
+    from transfer import create_transfer, join_rank_endpoints
+
+    pool = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_rank=0, tp_size=2)
+    followers = _Calls()
+    t = MirroredTransfer("tcp", create_transfer("tcp", pool, "p", "127.0.0.1"), followers)
+    try:
+        t.send("r1", "d", b"tcp://127.0.0.1:1", [1], [2], b"note")  # a decode worker of one rank
+        (res,) = t.poll_sent()
+        assert not res.ok and "1 ranks" in res.error
+        assert followers.calls == [], "the refusal is the leader's alone: no rank waits for a send it never made"
+        peer = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_rank=0, tp_size=2)
+        rx = create_transfer("tcp", peer, "d", "127.0.0.1")
+        rx.expect("r2", [3])
+        t.send("r2", "d", join_rank_endpoints([rx.endpoint(), b"tcp://127.0.0.1:9"]), [1], [3], b"note")
+        assert followers.calls == [["send", "tcp", "r2", "d", [rx.endpoint(), b"tcp://127.0.0.1:9"], [1], [3], b"note"]]
+        deadline = time.time() + 5
+        got = []
+        while not got and time.time() < deadline:
+            got = rx.poll_received()
+        assert got == [("r2", b"note")], "rank 0's part went to the peer's rank 0"
+        rx.close()
+    finally:
+        t.close()
