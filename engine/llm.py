@@ -64,8 +64,38 @@ class GenerateError(ValueError):
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = Engine(EngineArgs(model_path=model, **kwargs))
+        """`kwargs`: EngineArgs fields. With tp_size N > 1 the engine is rank 0 of N and starts the other ranks
+        as child processes on this host (engine/tp_worker.py); `close()` (or leaving a `with` block) stops
+        them, as does this process's exit."""
+        self.followers = None
+        if kwargs.get("tp_size", 1) > 1:
+            from engine.tp_worker import Followers, MirroredEngine, local_dist_addr
+
+            kwargs.setdefault("dist_init_addr", local_dist_addr())
+            args = EngineArgs(model_path=model, **kwargs)
+            if args.tp_rank != 0:
+                raise ValueError("LLM is rank 0 of its tensor-parallel group and starts the other ranks itself")
+            self.followers = Followers(args, "llm")
+            try:
+                self.engine = MirroredEngine(Engine(args), self.followers)
+                self.followers.wait_ready()
+            except BaseException:
+                self.close()
+                raise
+        else:
+            self.engine = Engine(EngineArgs(model_path=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """Run every prompt to completion. A prompt is a string or {"prompt_token_ids": [...]}; the params

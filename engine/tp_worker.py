@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import deque
 
 import msgspec
@@ -58,8 +59,10 @@ def local_dist_addr() -> str:
 class Followers:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them the leader's calls, watches them."""
 
-    def __init__(self, args, worker_id: str):
-        self.size = args.engine.tp_size
+    def __init__(self, engine_args, worker_id: str, host: str = "127.0.0.1", transfer_backends: str = "",
+                 timeout_s: float = 60.0):
+        """`transfer_backends`: what each follower offers, as for a worker ("" for none: an offline engine)."""
+        self.size = engine_args.tp_size
         self.ctx = zmq.Context()
         # Unix sockets in a directory only this user can enter: a PUSH socket deals its messages out to every
         # peer that connects, so no other process may connect to one.
@@ -69,7 +72,7 @@ class Followers:
         self.hello.bind(f"ipc://{self.dir}/hello")
         self.socks: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
-        engine = dataclasses.asdict(args.engine)
+        engine = dataclasses.asdict(engine_args)
         for rank in range(1, self.size):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -78,8 +81,8 @@ class Followers:
             self.socks.append(sock)
             spec = dict(rank=rank, ops=sock.getsockopt_string(zmq.LAST_ENDPOINT),
                         hello=self.hello.getsockopt_string(zmq.LAST_ENDPOINT), leader=os.getpid(),
-                        worker_id=worker_id, host=args.host, transfer_backends=args.transfer_backends,
-                        timeout_s=args.transfer_timeout_s, engine=engine)
+                        worker_id=worker_id, host=host, transfer_backends=transfer_backends, timeout_s=timeout_s,
+                        engine=engine)
             cmd = [sys.executable, "-m", "engine.tp_worker", msgspec.json.encode(spec).decode()]
             self.procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent))
 
@@ -144,8 +147,9 @@ class MirroredEngine:
 
     def add_request(self, prompt, params=None, rid: str | None = None, detokenize: bool = True,
                     prefill_only: bool = False):
-        if rid is None:
-            raise ValueError("requests of a tensor-parallel worker need ids")
+        rid = rid or uuid.uuid4().hex  # every rank must know the request by the same id
+        if dataclasses.is_dataclass(params):  # a SamplingParams: its fields, as the wire carries them
+            params = {k: v for k, v in dataclasses.asdict(params).items() if k != "extra"}
         self._followers.call("add_request", prompt, params, rid, detokenize, prefill_only)
         return self._engine.add_request(prompt, params, rid, detokenize, prefill_only)
 
@@ -355,7 +359,7 @@ def follower_main(spec: dict) -> None:
     try:
         engine = Engine(EngineArgs(**{**spec["engine"], "tp_rank": rank}))
         wanted = spec["transfer_backends"]
-        names = available_backends(engine.pool.data.is_cuda) if wanted == "auto" else wanted.split(",")
+        names = available_backends(engine.pool.data.is_cuda) if wanted == "auto" else [n for n in wanted.split(",") if n]
         for n in names:
             try:
                 transfers[n] = create_transfer(n, engine.pool, spec["worker_id"], spec["host"])

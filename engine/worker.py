@@ -65,7 +65,8 @@ class Worker:
             if args.engine.tp_rank != 0:
                 raise ValueError("a worker is rank 0 of its tensor-parallel group and starts the other ranks itself; "
                                  "leave --tp-rank out")
-            self.followers = Followers(args, self.worker_id)
+            self.followers = Followers(args.engine, self.worker_id, args.host, args.transfer_backends,
+                                       args.transfer_timeout_s)
         try:
             self.engine = engine or Engine(args.engine)
         except BaseException:

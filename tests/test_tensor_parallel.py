@@ -100,3 +100,19 @@ def test_ranks_agree_on_the_fp8_kv_bounds_of_the_whole_model(tiny_models, tmp_pa
     whole = kv_bounds(load_model(path, torch.float32, torch.device("cpu")))
     for bounds in ranks:
         assert torch.allclose(torch.tensor(bounds), torch.tensor(whole), rtol=1e-5)
+
+
+def test_llm_with_tp_size_2_starts_its_other_rank_and_generates_what_one_process_does(tiny_models):
+    from engine import LLM, SamplingParams
+
+    path, _ = tiny_models["llama"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=STEPS, ignore_eos=True, stop_token_ids=[7])]
+    want = [[o.token_ids for o in LLM(path, max_total_tokens=2048).generate(prompts, p)] for p in params]
+    with LLM(path, max_total_tokens=2048, tp_size=2) as llm:
+        (rank1,) = llm.followers.procs
+        got = [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
+        assert llm.engine.pool.kv_heads == 1
+    assert got == want
+    assert rank1.poll() is not None, "closing the LLM stops its other rank"
