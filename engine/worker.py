@@ -136,7 +136,8 @@ class Worker:
             pending_allocations=self.role.pending(), free_pages=s["free_pages"], cached_pages=s["cached_pages"],
             total_pages=s["total_pages"], prefix_query_tokens=s["prefix_query_tokens"],
             prefix_hit_tokens=s["prefix_hit_tokens"], retracted=s["retracted"],
-            transfer_bytes=sum(t.bytes for t in tstats), transfer_seconds=sum(t.seconds for t in tstats),
+            # Rank 0 counts its own share; every rank moves as many bytes (equal shards of the KV heads).
+            transfer_bytes=sum(t.bytes for t in tstats) * e.args.tp_size, transfer_seconds=sum(t.seconds for t in tstats),
             transfer_count=sum(t.count for t in tstats), transfer_failures=sum(t.failures for t in tstats),
             transfer_peers=sum(t.peers_held() for t in self.transfers.values()))
         p = e.pool

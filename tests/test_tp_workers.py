@@ -72,6 +72,16 @@ def test_tp2_workers_serve_what_one_process_computes(tiny_models, tmp_path, refe
         assert all(w["layout"]["tp_size"] == 2 and w["layout"]["kv_heads"] == 1 for w in workers), workers
         for wid in c.roles:
             assert len(ranks_of(c, wid)) == 1, "each worker runs its second rank as a child"
+        if "prefill" in shape:
+            # The first transfer: all 5 pages of a 70-token prompt, both ranks' KV heads counted.
+            assert generate(c, PROMPTS[2], GREEDY) == reference[("greedy", 2)]
+            lay = workers[0]["layout"]
+            page_bytes = lay["num_layers"] * 2 * lay["page_size"] * (2 * lay["kv_heads"]) * lay["head_dim"] * 4
+            deadline = time.time() + 10
+            while (load := next(w["load"] for w in c.workers() if w["role"] == "prefill"))["transfer_count"] < 1:
+                assert time.time() < deadline
+                time.sleep(0.2)
+            assert load["transfer_bytes"] == 5 * page_bytes
         for i, p in enumerate(PROMPTS):
             assert generate(c, p, GREEDY) == reference[("greedy", i)], i
             assert generate(c, p, SEEDED) == reference[("seeded", i)], i
