@@ -132,7 +132,7 @@ class RadixCache:
     def evict(self, want: int) -> int:
         """Free up to `want` pages held only by the tree, least recently used leaves first."""
         ref = self.allocator.ref
-        heap = [(n.last_access, id(n), n) for n in self._leaves()]
+        heap = [self._eviction_key(n) for n in self._leaves()]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < want:
@@ -152,8 +152,14 @@ class RadixCache:
                 parent = node.parent
                 del parent.children[tuple(self._first_key(node))]
                 if parent is not self.root and not parent.children:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                    heapq.heappush(heap, self._eviction_key(parent))
         return freed
+
+    @staticmethod
+    def _eviction_key(n: _Node):
+        # Ties go by page id, never by memory address: the ranks of a tensor-parallel worker must evict the
+        # same pages. Every leaf holds pages, and no two nodes hold the same page, so nodes never compare.
+        return n.last_access, n.pages[0], n
 
     def _first_key(self, node: _Node):
         # A node emptied by eviction lost its key; find it by identity in its parent.
