@@ -226,8 +226,26 @@ class _Heartbeat(threading.Thread):
             self.sock.setsockopt(zmq.SNDHWM, 4)
             self.sock.connect(worker.args.coordinator_addr)
 
+    # How long a worker whose tensor-parallel rank died may take to notice it itself. A rank lost in the middle
+    # of an NCCL collective leaves the main thread blocked in it (until NCCL's own timeout, minutes); the
+    # worker must neither look alive meanwhile nor hold its GPUs.
+    rank_loss_grace_s = 5.0
+
     def run(self) -> None:
+        lost_at = None
         while not self.done.is_set():
+            if self.w.followers is not None and lost_at is None:
+                try:
+                    self.w.followers.check()
+                except RuntimeError as e:
+                    logger.error("%s: no more heartbeats", e)
+                    lost_at = time.monotonic()
+            if lost_at is not None:
+                if time.monotonic() - lost_at > self.rank_loss_grace_s:
+                    logger.error("the worker is still running without its rank; exiting")
+                    os._exit(1)
+                self.done.wait(0.2)
+                continue
             try:
                 if self.registry is not None:
                     self.registry.put(self.w.snapshot)

@@ -178,3 +178,50 @@ def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_s
         rx.close()
     finally:
         t.close()
+
+
+def test_a_worker_stuck_without_its_rank_stops_heartbeating_and_exits(monkeypatch):
+    """A rank lost inside an NCCL collective leaves the main loop blocked there; the heartbeat thread must stop
+    announcing the worker at once and end the process after a grace period."""
+    import types
+
+    import zmq
+
+    import engine.worker as worker_mod
+
+    ctx = zmq.Context()
+    coord = ctx.socket(zmq.PULL)
+    coord.bind("tcp://127.0.0.1:*")
+
+    class LosesItsRank:
+        lost = False
+
+        def check(self):
+            if self.lost:
+                raise RuntimeError("tensor-parallel rank 1 exited with code -9")
+
+    followers = LosesItsRank()
+    w = types.SimpleNamespace(
+        followers=followers, ctx=ctx, snapshot=b"",
+        args=types.SimpleNamespace(redis_url=None, coordinator_addr=coord.getsockopt_string(zmq.LAST_ENDPOINT),
+                                   heartbeat_interval_s=0.05))
+    exits = []
+    beat = worker_mod._Heartbeat(w)
+    monkeypatch.setattr(beat, "rank_loss_grace_s", 0.5)
+    monkeypatch.setattr(worker_mod.os, "_exit", lambda code: (exits.append((time.monotonic(), code)), beat.done.set()))
+    monkeypatch.setattr(worker_mod, "encode", lambda msg: b"beat")
+    beat.start()
+    try:
+        assert coord.poll(2000), "a healthy worker beats"
+        followers.lost = True
+        lost = time.monotonic()
+        time.sleep(0.2)
+        while coord.poll(0):
+            coord.recv()  # beats sent before the loss was seen
+        beat.join(timeout=5)
+        assert exits and exits[0][1] == 1 and 0.5 <= exits[0][0] - lost < 2.0
+        assert not coord.poll(0), "no beat after the loss"
+    finally:
+        beat.stop()  # closes its socket
+        coord.close(0)
+        ctx.term()
