@@ -56,11 +56,13 @@ def audit(r, vocab: int) -> list[tuple]:
     return bad
 
 
-def run(model, vocab: int, steps: int, seed: int = 0, max_prompt: int = 1500, setup=None, **engine_args) -> dict:
+def run(model, vocab: int, steps: int, seed: int = 0, max_prompt: int = 1500, setup=None, engine=None,
+        **engine_args) -> dict:
     """`steps` engine steps under random load; returns counts and the problems found. `setup(engine)`, if
-    given, is called on the engine first (a test swaps in graphs that run on a CPU)."""
+    given, is called on the engine first (a test swaps in graphs that run on a CPU). `engine`: one made
+    already (a tensor-parallel LLM's), in place of one built from `model` and `engine_args`."""
     rng = random.Random(seed)
-    e = Engine(EngineArgs(**engine_args), model=model)
+    e = engine or Engine(EngineArgs(**engine_args), model=model)
     if setup is not None:
         setup(e)
     prefixes = [random_prompt(rng.randint(min(16, max_prompt // 2), max_prompt // 2), vocab, 1000 + i) for i in range(6)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import hashlib
 import random
 import time
 import uuid
@@ -356,6 +357,17 @@ class Engine:
             return False
         self.cache.reset()
         return True
+
+    def state_digest(self) -> str:
+        """A hash of what the scheduler holds: every request in its queue order with its progress and pages,
+        and the pool's accounting. The ranks of a tensor-parallel group must agree on it after every step."""
+        h = hashlib.blake2b(digest_size=16)
+        for queue in (self.scheduler.running, self.scheduler.waiting, self.awaiting.values(), self.held.values()):
+            for r in queue:
+                h.update(f"{r.rid}:{r.kv_len}:{len(r.tokens)}:{r.pending}:{r.pages}|".encode())
+            h.update(b"/")
+        h.update(f"{self.allocator.num_free}:{self.cache.num_pages if self.cache else 0}".encode())
+        return h.hexdigest()
 
     def stats(self) -> dict:
         total = self.allocator.total

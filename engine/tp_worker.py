@@ -138,9 +138,14 @@ class Followers:
 class MirroredEngine:
     """The leader's engine as the roles see it: each call that changes its state goes to the followers first."""
 
+    # Every this many steps the followers compare their scheduler's state with rank 0's (Engine.state_digest):
+    # ranks that drifted apart would otherwise compute garbage together, silently.
+    digest_every = 64
+
     def __init__(self, engine, followers: Followers):
         self._engine = engine
         self._followers = followers
+        self._steps = 0
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -171,8 +176,18 @@ class MirroredEngine:
         self._engine.drop_held(rid)
 
     def step(self):
+        self._followers.check()
         self._followers.call("step")
-        return self._engine.step()
+        done = self._engine.step()
+        self._steps += 1
+        if self._steps % self.digest_every == 0:
+            self._followers.call("digest", self._engine.state_digest())
+        return done
+
+    def check(self) -> None:
+        """Page accounting on every rank (a follower that finds it off exits, and the group with it)."""
+        self._followers.call("check")
+        self._engine.check()
 
     def sync(self):
         self._followers.call("sync")
@@ -320,8 +335,11 @@ class Follower:
             e.kv_arrived(rid, token, None if lp is None else Logprob(lp[0], lp[1], [tuple(t) for t in lp[2]]))
         elif name in ("abort", "drop_held"):
             getattr(e, name)(args[0])
-        elif name in ("sync", "flush_cache"):
+        elif name in ("sync", "flush_cache", "check"):
             getattr(e, name)()
+        elif name == "digest":
+            if e.state_digest() != args[0]:
+                raise SystemExit(f"rank {self.rank}: the scheduler's state differs from rank 0's; the group stops")
         elif name == "send":
             backend, rid, peer_id, eps, src, dst, notify = args
             self.transfers[backend].send(rid, peer_id, eps[self.rank], src, dst, notify)

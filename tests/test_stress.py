@@ -21,3 +21,28 @@ def test_random_load_leaves_no_request_wrong_and_no_page_astray(overlap):
     assert res["requests"] > 40 and res["aborted"] > 0 and res["tokens"] > 1000
     assert res["retracted"] > 0 and res["prefix_hits"] > 0, "the run must reach retraction and the prefix cache"
 
+
+
+def test_random_load_on_two_tensor_parallel_ranks_keeps_them_in_step(tiny_models):
+    """The same load through an LLM of two ranks: every call reaches the second rank, which must schedule,
+    retract, evict and free exactly as rank 0 does. Rank 1 compares its scheduler's state with rank 0's
+    every few steps and audits its pages; a difference would end it and fail the run."""
+    from engine import LLM
+    from engine.tp_worker import MirroredEngine
+
+    path, _ = tiny_models["llama"]
+    with LLM(path, tp_size=2, max_total_tokens=1200, chunked_prefill_size=128, max_running_requests=12,
+             page_size=16) as llm:
+        engine = llm.engine
+        assert isinstance(engine, MirroredEngine)
+        engine.digest_every = 8
+        res = run(None, engine.config.vocab_size, 150, seed=1, max_prompt=300, engine=engine)
+        engine.check()
+        engine.sync()
+        engine.step()  # the last digest and audits reach rank 1 before it is stopped
+        (rank1,) = llm.followers.procs
+        assert rank1.poll() is None, "rank 1 found no difference"
+    assert res["problems"] == []
+    assert res["requests"] > 40 and res["aborted"] > 0
+    assert res["retracted"] > 0 and res["prefix_hits"] > 0, "the run must reach retraction and the prefix cache"
+    assert rank1.returncode == 0
