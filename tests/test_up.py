@@ -112,3 +112,21 @@ def test_another_distributions_kernels_package_is_named_not_imported_blindly(tmp
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "--prefill" in ok.stdout
 
+
+
+def test_tensor_parallel_workers_of_up_get_gpus_of_their_own(monkeypatch):
+    import pytest
+    import torch
+
+    from coordinator.cli import _gpu_plan
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert _gpu_plan(["--tp", "2"], 3) == [["--base-gpu-id", "0"], ["--base-gpu-id", "2"], ["--base-gpu-id", "4"]]
+    assert _gpu_plan(["--tp-size", "4"], 3) == [["--base-gpu-id", "0"], ["--base-gpu-id", "4"], ["--base-gpu-id", "0"]]
+    assert _gpu_plan(["--tp", "2", "--base-gpu-id", "6"], 2) == [[], []], "an explicit choice is the user's"
+    assert _gpu_plan(["--max-total-tokens", "9"], 2) == [[], []], "one rank each: all on the first GPU, as before"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _gpu_plan(["--tp", "2"], 2) == [[], []], "CPU ranks need no GPU"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="needs 2 GPUs"):
+        _gpu_plan(["--tp", "2"], 1)
