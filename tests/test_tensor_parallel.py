@@ -116,3 +116,14 @@ def test_llm_with_tp_size_2_starts_its_other_rank_and_generates_what_one_process
         assert llm.engine.pool.kv_heads == 1
     assert got == want
     assert rank1.poll() is not None, "closing the LLM stops its other rank"
+
+
+def test_the_tensor_parallel_bench_times_both_engines(tiny_models):
+    """bench/tp.py, which a multi-GPU machine runs, on two CPU ranks: one row per batch, with both times."""
+    from bench.tp import tp_rows
+
+    path, _ = tiny_models["llama"]
+    rows = tp_rows(path, 2, ctx=40, steps=4, batches=(1, 3), load_format="auto", chunked_prefill_size=64)
+    assert [r[0].split(",")[1] for r in rows] == [" batch 1", " batch 3"]
+    for _, t_tp, t_one, ratio, _ in rows:
+        assert t_tp > 0 and t_one > 0 and abs(ratio - t_one / (2 * t_tp)) < 1e-9
