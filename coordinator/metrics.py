@@ -54,6 +54,8 @@ class _WorkerCollector:
             "cached": GaugeMetricFamily("pdserve_kv_cached_pages", "KV pages held by the prefix cache", labels=labels),
             "peers": GaugeMetricFamily("pdserve_kv_transfer_peers", "Peers the KV transfer engines hold mappings "
                                        "or connections for", labels=labels),
+            "tp": GaugeMetricFamily("pdserve_worker_tp_size", "Tensor-parallel ranks (GPUs) of the worker",
+                                    labels=labels),
         }
         c = {
             "hit": CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
@@ -77,6 +79,7 @@ class _WorkerCollector:
             g["usage"].add_metric(lv, used / ld.total_pages if ld.total_pages else 0.0)
             g["cached"].add_metric(lv, ld.cached_pages)
             g["peers"].add_metric(lv, ld.transfer_peers)
+            g["tp"].add_metric(lv, w.layout.tp_size)
             c["hit"].add_metric(lv, ld.prefix_hit_tokens)
             c["query"].add_metric(lv, ld.prefix_query_tokens)
             c["tbytes"].add_metric(lv, ld.transfer_bytes)

@@ -70,6 +70,12 @@ def test_tp2_workers_serve_what_one_process_computes(tiny_models, tmp_path, refe
         c.wait_ready()
         workers = c.workers()
         assert all(w["layout"]["tp_size"] == 2 and w["layout"]["kv_heads"] == 1 for w in workers), workers
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with c.client() as h:
+            families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
+        assert sorted(s.labels["worker"] for s in families["pdserve_worker_tp_size"].samples if s.value == 2) \
+            == sorted(c.roles)
         for wid in c.roles:
             assert len(ranks_of(c, wid)) == 1, "each worker runs its second rank as a child"
         if "prefill" in shape:
