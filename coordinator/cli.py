@@ -63,7 +63,7 @@ def run_worker(ns, role: str) -> None:
     if ns.tp_size > 1 and ns.dist_init_addr is None:
         from engine.tp_worker import local_dist_addr
 
-        ns.dist_init_addr = local_dist_addr()
+        ns.dist_init_addr = local_dist_addr()  # (EngineArgs wants one with tp_size > 1)
     args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
                       coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
                       transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,

@@ -98,7 +98,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
-        # Ranks of a tensor-parallel group must draw the same seeds for unseeded requests.
+        # Ranks of a tensor-parallel group must draw the same seeds for unseeded requests; a group started by a
+        # worker or LLM gets one random_seed for all its ranks (engine/tp_worker.py: group_args).
         self._rng = random.Random(args.random_seed if args.random_seed is not None or args.tp_size == 1 else 0)
         self.requests: dict[str, Request] = {}
         self.awaiting: dict[str, Request] = {}  # pages reserved, KV being written by a prefill worker

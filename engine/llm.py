@@ -69,10 +69,10 @@ class LLM:
         them, as does this process's exit."""
         self.followers = None
         if kwargs.get("tp_size", 1) > 1:
-            from engine.tp_worker import Followers, MirroredEngine, local_dist_addr
+            from engine.tp_worker import Followers, MirroredEngine, group_args, local_dist_addr
 
-            kwargs.setdefault("dist_init_addr", local_dist_addr())
-            args = EngineArgs(model_path=model, **kwargs)
+            kwargs.setdefault("dist_init_addr", local_dist_addr())  # (EngineArgs wants one with tp_size > 1)
+            args = group_args(EngineArgs(model_path=model, **kwargs))
             if args.tp_rank != 0:
                 raise ValueError("LLM is rank 0 of its tensor-parallel group and starts the other ranks itself")
             self.followers = Followers(args, "llm")
@@ -88,8 +88,11 @@ class LLM:
 
     def close(self) -> None:
         if self.followers is not None:
+            from engine.parallel import leave_group
+
             self.followers.close()
             self.followers = None
+            leave_group()
 
     def __enter__(self) -> "LLM":
         return self

@@ -65,6 +65,14 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
+
+def leave_group() -> None:
+    """Leave this process's group, if it has one, so that it can start another (an `LLM` made after one was
+    closed), and so that no gloo thread is left talking to a rank that exits."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
     if size == 1:
         return TensorParallel()

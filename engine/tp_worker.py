@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,7 @@ import msgspec
 import zmq
 
 from engine.children import die_with_parent
+from engine.parallel import leave_group
 from engine.request import Logprob
 from transfer import rank_endpoints
 
@@ -47,6 +49,18 @@ class _Hello(msgspec.Struct):
     rank: int
     endpoints: dict[str, bytes] = {}
     error: str | None = None
+
+
+def group_args(engine_args):
+    """The engine arguments every rank of a new group starts with: a rendezvous address and, unless the user
+    chose one, a fresh seed for unseeded requests. All ranks must draw the same seeds, and a group seeded alike
+    every time (or like every other group) would draw the same samples for the same prompts."""
+    changes = {}
+    if engine_args.dist_init_addr is None:
+        changes["dist_init_addr"] = local_dist_addr()
+    if engine_args.random_seed is None:
+        changes["random_seed"] = secrets.randbits(63)
+    return dataclasses.replace(engine_args, **changes)
 
 
 def local_dist_addr() -> str:
@@ -392,6 +406,7 @@ def follower_main(spec: dict) -> None:
     try:
         Follower(spec, engine, transfers, ops).run()
     finally:
+        leave_group()
         for t in transfers.values():
             t.close()
         hello.close(0)

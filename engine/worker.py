@@ -59,16 +59,18 @@ class Worker:
         self.args = args
         self.worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.followers = None  # engine/tp_worker.py: ranks 1..N-1 of a tensor-parallel worker
-        if engine is None and args.engine.tp_size > 1:
-            from engine.tp_worker import Followers
+        engine_args = args.engine
+        if engine is None and engine_args.tp_size > 1:
+            from engine.tp_worker import Followers, group_args
 
-            if args.engine.tp_rank != 0:
+            if engine_args.tp_rank != 0:
                 raise ValueError("a worker is rank 0 of its tensor-parallel group and starts the other ranks itself; "
                                  "leave --tp-rank out")
-            self.followers = Followers(args.engine, self.worker_id, args.host, args.transfer_backends,
+            engine_args = group_args(engine_args)
+            self.followers = Followers(engine_args, self.worker_id, args.host, args.transfer_backends,
                                        args.transfer_timeout_s)
         try:
-            self.engine = engine or Engine(args.engine)
+            self.engine = engine or Engine(engine_args)
         except BaseException:
             if self.followers is not None:
                 self.followers.close()
@@ -198,7 +200,10 @@ class Worker:
     def close(self) -> None:
         self._heartbeat.stop()
         if self.followers is not None:
+            from engine.parallel import leave_group
+
             self.followers.close()
+            leave_group()
         for t in self.transfers.values():
             t.close()
         self.outbox.close()

@@ -85,8 +85,10 @@ def leave_group() -> None:
     talk to it can abort at exit."""
     import torch.distributed as dist
 
+    from engine.parallel import leave_group as leave
+
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 def test_ranks_agree_on_the_fp8_kv_bounds_of_the_whole_model(tiny_models, tmp_path):
@@ -127,3 +129,17 @@ def test_the_tensor_parallel_bench_times_both_engines(tiny_models):
     assert [r[0].split(",")[1] for r in rows] == [" batch 1", " batch 3"]
     for _, t_tp, t_one, ratio, _ in rows:
         assert t_tp > 0 and t_one > 0 and abs(ratio - t_one / (2 * t_tp)) < 1e-9
+
+
+def test_groups_draw_their_own_samples_for_unseeded_requests(tiny_models):
+    """Each group's ranks share one seed for unseeded requests, drawn when the group starts: two groups (or one
+    restarted) do not repeat each other's samples."""
+    from engine import LLM, SamplingParams
+
+    path, _ = tiny_models["llama"]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=STEPS, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        with LLM(path, max_total_tokens=2048, tp_size=2) as llm:
+            outs.append([o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], unseeded)])
+    assert outs[0] != outs[1]
