@@ -99,8 +99,8 @@ def test_cuda_ipc_only_between_processes_of_one_machine():
 
     from transfer.cuda_ipc import _Endpoint, machine_id
 
-    def ep(machine):
-        return msgspec.msgpack.encode(_Endpoint(machine, "tcp://x:1", [], [1], "bfloat16"))
+    def ep(machine, gpu=""):
+        return msgspec.msgpack.encode(_Endpoint(machine, "tcp://x:1", [], [1], "bfloat16", gpu=gpu))
 
     here, there = {"cuda_ipc": ep(machine_id()), "tcp": b"t"}, {"cuda_ipc": ep("another-machine"), "tcp": b"t"}
     assert agree(here, dict(here)) == "cuda_ipc"
@@ -112,6 +112,14 @@ def test_cuda_ipc_only_between_processes_of_one_machine():
     assert agree(ranks_here, dict(ranks_here)) == "cuda_ipc"
     assert agree(ranks_here, ranks_there) == "tcp"
     assert agree({"cuda_ipc": b"pdserve-ranks\x00\xc1", "tcp": b"t"}, ranks_here) == "tcp"
+    # One machine, other GPUs: the copy kernel cannot write the peer's pool, so not cuda_ipc.
+    gpu = lambda g: {"cuda_ipc": ep(machine_id(), g), "tcp": b"t"}  # noqa: E731
+    assert agree(gpu("GPU-a"), gpu("GPU-a")) == "cuda_ipc"
+    assert agree(gpu("GPU-a"), gpu("GPU-b")) == "tcp"
+    ranks = lambda *gs: {"cuda_ipc": join_rank_endpoints([ep(machine_id(), g) for g in gs]), "tcp": b"t"}  # noqa: E731
+    assert agree(ranks("GPU-a", "GPU-b"), ranks("GPU-a", "GPU-b")) == "cuda_ipc", "rank r with rank r, each on one GPU"
+    assert agree(ranks("GPU-a", "GPU-b"), ranks("GPU-a", "GPU-c")) == "tcp"
+    assert agree(ranks("GPU-a", "GPU-b"), gpu("GPU-a")) == "tcp", "ranks that do not pair up"
 
 
 def test_per_rank_endpoints_round_trip_and_malformed_ones_are_refused():

@@ -55,14 +55,16 @@ def rank_endpoints(endpoint: bytes) -> list[bytes]:
 
 def agree(prefill: dict[str, bytes], decode: dict[str, bytes], wanted: str = "auto") -> str | None:
     """The backend a prefill-decode pair uses (given each side's endpoints by backend): the one asked for,
-    or under auto the fastest both have. cuda_ipc counts only between processes of one machine."""
+    or under auto the fastest both have. cuda_ipc counts only where each rank's pool is on the same GPU as
+    the peer rank's (workers sharing a GPU; processes of one machine)."""
     common = [b for b in ("cuda_ipc", "nixl", "tcp") if b in prefill and b in decode]
     if "cuda_ipc" in common:
-        from transfer.cuda_ipc import same_machine
+        from transfer.cuda_ipc import same_gpu
 
         try:
-            near = same_machine(rank_endpoints(prefill["cuda_ipc"])[0], rank_endpoints(decode["cuda_ipc"])[0])
-        except ValueError:
+            pairs = list(zip(rank_endpoints(prefill["cuda_ipc"]), rank_endpoints(decode["cuda_ipc"]), strict=True))
+            near = all(same_gpu(a, b) for a, b in pairs)
+        except ValueError:  # a malformed endpoint, or ranks that do not pair up
             near = False
         if not near:
             common.remove("cuda_ipc")

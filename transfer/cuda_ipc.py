@@ -50,13 +50,24 @@ class _Endpoint(msgspec.Struct):
     shape: list[int]
     dtype: str
     order: str = "NHD"
+    gpu: str = ""  # the pool's GPU (its UUID): the page-copy kernel writes the peer's pool from its own GPU
 
 
-def same_machine(a: bytes, b: bytes) -> bool:
+def gpu_id(device: torch.device) -> str:
     try:
-        return msgspec.msgpack.decode(a, type=_Endpoint).machine == msgspec.msgpack.decode(b, type=_Endpoint).machine
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return ""
+
+
+def same_gpu(a: bytes, b: bytes) -> bool:
+    """Whether two endpoints' pools are on one GPU of one machine (an endpoint that does not say which GPU
+    counts as the other's)."""
+    try:
+        x, y = msgspec.msgpack.decode(a, type=_Endpoint), msgspec.msgpack.decode(b, type=_Endpoint)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return False
+    return x.machine == y.machine and (x.gpu == y.gpu or not x.gpu or not y.gpu)
 
 
 @functools.lru_cache(maxsize=64)
@@ -195,7 +206,8 @@ class CudaIpcTransfer(TransferEngine):
         data = self.pool.data
         handle = list(data.untyped_storage()._share_cuda_())
         return msgspec.msgpack.encode(_Endpoint(machine_id(), self.addr, handle, list(data.shape),
-                                                str(data.dtype).removeprefix("torch."), self.pool.layout))
+                                                str(data.dtype).removeprefix("torch."), self.pool.layout,
+                                                gpu_id(data.device)))
 
     def sockets(self):
         return [self.rx]
@@ -210,6 +222,9 @@ class CudaIpcTransfer(TransferEngine):
             if ep.dtype != self.layout.dtype or ep.order != self.pool.layout or ep.shape[0] != self.pool.num_layers or \
                     tuple(ep.shape[2:]) != tuple(self.pool.data.shape[2:]):
                 raise ValueError(f"peer {peer_id} has a different KV layout")
+            if ep.gpu and ep.gpu != gpu_id(self.pool.device):
+                # Writing another GPU's memory from this one needs peer access, which nothing here sets up.
+                raise ValueError(f"peer {peer_id}'s pool is on another GPU")
             storage = torch.UntypedStorage._new_shared_cuda(*ep.handle)
             remote = torch.empty(0, dtype=self.pool.dtype, device=self.pool.device)
             remote.set_(storage, 0, tuple(ep.shape))
