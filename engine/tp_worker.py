@@ -39,6 +39,7 @@ from engine.children import die_with_parent
 from engine.parallel import leave_group
 from engine.request import Logprob
 from transfer import rank_endpoints
+from transfer.base import SendResult
 
 logger = logging.getLogger(__name__)
 
@@ -234,8 +235,6 @@ class MirroredTransfer:
             why = f"the peer has {len(eps)} ranks, this worker {self._followers.size}"
         if len(eps) != self._followers.size:
             # The registry pairs only equal layouts, tp_size included; this is a peer that lies about its own.
-            from transfer.base import SendResult
-
             self._t.done.append(self._t._record(SendResult(rid, False, f"{self._name}: {why}")))
             self._refused.add(rid)
             return
