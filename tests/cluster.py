@@ -136,3 +136,11 @@ class Cluster:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def assert_pools_clean(c: Cluster) -> None:
+    """Every worker idle, with every page free or prefix-cached: no request left anything behind."""
+    for w in c.wait_clean():
+        ld = w["load"]
+        assert ld["running"] == 0 and ld["waiting"] == 0 and ld["pending_allocations"] == 0, w["worker_id"]
+        assert ld["free_pages"] + ld["cached_pages"] == ld["total_pages"], (w["worker_id"], ld)

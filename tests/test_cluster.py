@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from cluster import ROOT, Cluster, RedisServer
+from cluster import ROOT, Cluster, RedisServer, assert_pools_clean
 
 MODEL = "SmolLM2-135M-Instruct"
 SHARED = ("You are a careful assistant for a railway company. Answer questions about timetables, tickets, "
@@ -77,13 +77,6 @@ def stream_completion(c: Cluster, prompt: str, max_tokens: int = MAX_TOKENS) -> 
         if chunk.usage:
             usage = chunk.usage
     return text, usage
-
-
-def assert_pools_clean(c: Cluster) -> None:
-    for w in c.wait_clean():
-        ld = w["load"]
-        assert ld["running"] == 0 and ld["waiting"] == 0 and ld["pending_allocations"] == 0, w["worker_id"]
-        assert ld["free_pages"] + ld["cached_pages"] == ld["total_pages"], (w["worker_id"], ld)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ every message the dispatcher sends is seen, and every reply is the test's to giv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq
@@ -75,15 +76,28 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+@contextlib.asynccontextmanager
+async def started(registry, reply=None, **attrs):
+    """A running dispatcher over `registry` (attributes set first, e.g. max_attempts), its replies coming from
+    `reply`; stopped on the way out."""
+    d = Dispatcher(registry)
+    for name, value in attrs.items():
+        setattr(d, name, value)
+    d.refresh()
+    await d.start()
+    if reply is not None:
+        reply.connect(d.addr)
+    try:
+        yield d
+    finally:
+        await d.stop()
+
+
 def test_a_burst_of_requests_spreads_over_the_decode_workers(cluster):
     registry, workers, reply = cluster
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             # Four requests placed together: each decode worker is asked for two, although neither has answered
             # any Allocate yet (a reservation counts from the moment it is asked for).
             placing = [asyncio.create_task(d.submit([1, 2, 3], {})) for _ in range(4)]
@@ -98,8 +112,6 @@ def test_a_burst_of_requests_spreads_over_the_decode_workers(cluster):
                     reply.send(encode(Allocated(rid, name, [7], 0)))
             placed = await asyncio.gather(*placing)
             assert sorted(t.decode_id for t in placed) == ["d0", "d0", "d1", "d1"]
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -123,11 +135,7 @@ def test_a_request_whose_decode_worker_dies_before_its_first_token_is_placed_aga
     registry, workers, reply = cluster
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             placing = asyncio.create_task(d.submit(list(range(100)), {}))
             first, victim = await allocate_reply(workers, ["d0", "d1"], reply)
             t = await placing
@@ -155,8 +163,6 @@ def test_a_request_whose_decode_worker_dies_before_its_first_token_is_placed_aga
             assert (await asyncio.wait_for(t.queue.get(), 5)).finish_reason == "length"
             d.finish(t.rid)
             assert d._decode_inflight == {victim: 0, survivor: 0} and not d.by_wire and not d.requests
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -166,12 +172,7 @@ def test_a_request_is_placed_at_most_max_attempts_times(cluster):
     workers_left = ["d0", "d1"]
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.max_attempts = 2
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply, max_attempts=2) as d:
             placing = asyncio.create_task(d.submit([1, 2, 3], {}))
             _, victim = await allocate_reply(workers, workers_left, reply)
             t = await placing
@@ -183,8 +184,6 @@ def test_a_request_is_placed_at_most_max_attempts_times(cluster):
             assert delta.error and victim in delta.error
             d.abort(t.rid)
             assert d._prefill_inflight["p0"] == 0 and set(d._decode_inflight.values()) == {0}
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -193,11 +192,7 @@ def test_a_request_whose_decode_worker_dies_mid_stream_goes_on_from_its_tokens(c
     registry, workers, reply = cluster
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             placing = asyncio.create_task(d.submit(list(range(100)), {"max_tokens": 5, "seed": 3}))
             _, victim = await allocate_reply(workers, ["d0", "d1"], reply)
             t = await placing
@@ -220,8 +215,6 @@ def test_a_request_whose_decode_worker_dies_mid_stream_goes_on_from_its_tokens(c
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.token_ids == [12] and delta.error is None and delta.cached_tokens == 100
             assert d.placed_again == {"before_first_token": 0, "mid_stream": 1}
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -230,11 +223,7 @@ def test_a_request_with_output_penalties_is_not_continued_elsewhere(cluster):
     registry, workers, reply = cluster
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             placing = asyncio.create_task(d.submit([1, 2, 3], {"frequency_penalty": 0.5}))
             _, victim = await allocate_reply(workers, ["d0", "d1"], reply)
             t = await placing
@@ -243,8 +232,6 @@ def test_a_request_with_output_penalties_is_not_continued_elsewhere(cluster):
             registry.remove(victim)
             delta = await asyncio.wait_for(t.queue.get(), 5)
             assert delta.error and victim in delta.error
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -257,10 +244,7 @@ def test_workers_hear_which_peers_are_in_the_registry(cluster, monkeypatch):
     monkeypatch.setattr(Dispatcher, "live_peers_interval_s", 0.5)
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        try:
+        async with started(registry):
             await asyncio.sleep(0.2)
             assert all(not w.drain() and not w.live_peers for w in workers.values()), "not before the first wait"
             await asyncio.sleep(0.5)
@@ -272,8 +256,6 @@ def test_workers_hear_which_peers_are_in_the_registry(cluster, monkeypatch):
             for name in ("p0", "d0"):
                 workers[name].drain()
                 assert workers[name].live_peers[-1] == LivePeers(["d0", "p0"])
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -284,11 +266,7 @@ def test_a_failed_kv_transfer_places_the_request_again_and_other_prefill_errors_
     registry, workers, reply = cluster
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             placing = asyncio.create_task(d.submit(list(range(50)), {}))
             _, first = await allocate_reply(workers, ["d0", "d1"], reply)
             t = await placing
@@ -315,8 +293,6 @@ def test_a_failed_kv_transfer_places_the_request_again_and_other_prefill_errors_
             assert delta.error == "the prompt is too long" and d.placed_again["before_first_token"] == 1
             d.finish(u.rid)
             assert set(d._decode_inflight.values()) == {0} and d._prefill_inflight["p0"] == 0
-        finally:
-            await d.stop()
 
     run(scenario())
 
@@ -331,11 +307,7 @@ def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
     registry.put(msgspec.structs.replace(d1, layout=KVLayout(2, 16, 1, 32, "float32", tp_size=2)))
 
     async def scenario():
-        d = Dispatcher(registry)
-        d.refresh()
-        await d.start()
-        reply.connect(d.addr)
-        try:
+        async with started(registry, reply) as d:
             placing = [asyncio.create_task(d.submit([1, 2, 3], {})) for _ in range(3)]
             for _ in range(3):
                 msg, name = await allocate_reply(workers, ["d0", "d1"], reply)
@@ -343,7 +315,5 @@ def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
             placed = await asyncio.gather(*placing)
             assert [t.decode_id for t in placed] == ["d0"] * 3
             assert not [m for m in workers["d1"].drain() if isinstance(m, Allocate)]
-        finally:
-            await d.stop()
 
     run(scenario())

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, assert_pools_clean
 from test_models import PROMPTS
 
 STEPS = 10
@@ -46,13 +46,6 @@ def ranks_of(c: Cluster, worker_id: str) -> list[int]:
     """Pids of the processes a worker started: its followers."""
     out = subprocess.run(["pgrep", "-P", str(c.procs[worker_id].pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
-
-
-def assert_idle(c: Cluster) -> None:
-    for w in c.wait_clean():
-        ld = w["load"]
-        assert ld["running"] == 0 and ld["waiting"] == 0 and ld["pending_allocations"] == 0, w["worker_id"]
-        assert ld["free_pages"] + ld["cached_pages"] == ld["total_pages"], (w["worker_id"], ld)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +90,7 @@ def test_tp2_workers_serve_what_one_process_computes(tiny_models, tmp_path, refe
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda i: generate(c, PROMPTS[i % len(PROMPTS)], GREEDY), range(12)))
         assert got == [reference[("greedy", i % len(PROMPTS))] for i in range(12)]
-        assert_idle(c)
+        assert_pools_clean(c)
     finally:
         c.stop()
 
@@ -117,7 +110,7 @@ def test_a_client_that_leaves_mid_stream_frees_pages_on_every_rank(tiny_models, 
                 next(r.iter_lines())  # one chunk, then hang up
         for i, p in enumerate(PROMPTS):
             assert generate(c, p, GREEDY) == reference[("greedy", i)], i
-        assert_idle(c)
+        assert_pools_clean(c)
     finally:
         c.stop()
 
