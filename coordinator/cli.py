@@ -64,11 +64,15 @@ def run_worker(ns, role: str) -> None:
         from engine.tp_worker import local_dist_addr
 
         ns.dist_init_addr = local_dist_addr()  # (EngineArgs wants one with tp_size > 1)
-    args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
-                      coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
-                      transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
-                      served_model_name=ns.served_model_name, engine=EngineArgs.from_cli_args(ns))
-    Worker(args).run()
+    try:
+        args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
+                          coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
+                          transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
+                          served_model_name=ns.served_model_name, engine=EngineArgs.from_cli_args(ns))
+        worker = Worker(args)
+    except (ValueError, FileNotFoundError) as e:  # a flag or a model that cannot work: say which, no traceback
+        raise SystemExit(f"pdserve {role}: {e}") from None
+    worker.run()
 
 
 def _free_port(host: str) -> int:

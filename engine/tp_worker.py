@@ -71,6 +71,16 @@ def local_dist_addr() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _check_shardable(engine_args) -> None:
+    """Refuse a model that N ranks cannot share before starting any of them, with the model's own numbers."""
+    from engine.config import ModelConfig
+    from engine.loader import resolve_model_dir
+    from engine.parallel import TensorParallel
+
+    config = ModelConfig.from_dir(resolve_model_dir(engine_args.model_path))
+    TensorParallel(0, engine_args.tp_size).shard_config(config)
+
+
 class Followers:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them the leader's calls, watches them."""
 
@@ -78,6 +88,7 @@ class Followers:
                  timeout_s: float = 60.0):
         """`transfer_backends`: what each follower offers, as for a worker ("" for none: an offline engine)."""
         self.size = engine_args.tp_size
+        _check_shardable(engine_args)
         self.ctx = zmq.Context()
         # Unix sockets in a directory only this user can enter: a PUSH socket deals its messages out to every
         # peer that connects, so no other process may connect to one.

@@ -224,3 +224,17 @@ def test_a_worker_stuck_without_its_rank_stops_heartbeating_and_exits(monkeypatc
         beat.stop()  # closes its socket
         coord.close(0)
         ctx.term()
+
+
+def test_a_tp_size_that_does_not_divide_the_model_is_refused_before_any_rank_starts(tiny_models):
+    import sys
+
+    from cluster import ROOT
+
+    path, _ = tiny_models["llama"]
+    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "decode", "--tp", "3", "--model-path", path,
+                          "--coordinator-addr", "tcp://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == "pdserve decode: --tp 3 does not divide num_attention_heads (4)"
+    assert "Traceback" not in out.stderr
