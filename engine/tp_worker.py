@@ -9,12 +9,13 @@ into the same pages and meets the others in the same collectives. Sampling agree
 logits are all-gathered, and unseeded requests draw their seeds from one seeded generator on every rank.
 
 KV moves rank to rank. Rank r of a prefill worker pushes its heads to rank r of the decode worker, at the
-endpoint the decode worker published for that rank (transfer.rank_endpoints). When the leader's transfer
-reports a request sent or landed, the followers wait for their own before their next call, so that no rank
-decodes (or frees) pages whose KV is not in place.
+endpoint the decode worker published for that rank (transfer.rank_endpoints). Each follower reports its own
+transfers to rank 0 (a page set landed, a send done), and rank 0's transfer engine reports a request as sent
+or landed only once every rank's part is: so no rank decodes pages whose KV is not in place, or frees pages
+still being sent, and a part that never lands fails that request alone, by the usual transfer timeout.
 
-The group fails as a unit: a follower that dies, or whose pages never land, ends the worker, and the
-coordinator places the worker's requests again elsewhere.
+A follower that dies ends the worker (a group cannot compute without one of its ranks), and the coordinator
+places the worker's requests again elsewhere.
 """
 
 from __future__ import annotations
@@ -46,10 +47,33 @@ logger = logging.getLogger(__name__)
 _enc = msgspec.msgpack.Encoder()
 
 
-class _Hello(msgspec.Struct):
+class _Hello(msgspec.Struct, tag=True):
+    """A follower is up (its transfer endpoints), or could not start."""
+
     rank: int
     endpoints: dict[str, bytes] = {}
     error: str | None = None
+
+
+class _Landed(msgspec.Struct, tag=True):
+    """A follower's part of a request's KV is in its pool."""
+
+    rank: int
+    backend: str
+    rid: str
+
+
+class _Sent(msgspec.Struct, tag=True):
+    """A follower's part of a request's KV has left (or failed to)."""
+
+    rank: int
+    backend: str
+    rid: str
+    ok: bool
+    error: str = ""
+
+
+_reports = msgspec.msgpack.Decoder(_Hello | _Landed | _Sent)
 
 
 def group_args(engine_args):
@@ -82,10 +106,10 @@ def _check_shardable(engine_args) -> None:
 
 
 class Followers:
-    """Rank 0's handle on ranks 1..N-1: starts them, sends them the leader's calls, watches them."""
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them the leader's calls, takes their reports,
+    watches them."""
 
-    def __init__(self, engine_args, worker_id: str, host: str = "127.0.0.1", transfer_backends: str = "",
-                 timeout_s: float = 60.0):
+    def __init__(self, engine_args, worker_id: str, host: str = "127.0.0.1", transfer_backends: str = ""):
         """`transfer_backends`: what each follower offers, as for a worker ("" for none: an offline engine)."""
         self.size = engine_args.tp_size
         _check_shardable(engine_args)
@@ -93,9 +117,10 @@ class Followers:
         # Unix sockets in a directory only this user can enter: a PUSH socket deals its messages out to every
         # peer that connects, so no other process may connect to one.
         self.dir = tempfile.mkdtemp(prefix="pdserve-tp-")
-        self.hello = self.ctx.socket(zmq.PULL)
-        self.hello.setsockopt(zmq.LINGER, 0)
-        self.hello.bind(f"ipc://{self.dir}/hello")
+        self.reports = self.ctx.socket(zmq.PULL)  # what the followers tell rank 0: up, KV landed, KV sent
+        self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.bind(f"ipc://{self.dir}/reports")
+        self.listeners: dict[str, object] = {}  # backend -> its MirroredTransfer
         self.socks: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         engine = dataclasses.asdict(engine_args)
@@ -106,9 +131,8 @@ class Followers:
             sock.bind(f"ipc://{self.dir}/rank{rank}")
             self.socks.append(sock)
             spec = dict(rank=rank, ops=sock.getsockopt_string(zmq.LAST_ENDPOINT),
-                        hello=self.hello.getsockopt_string(zmq.LAST_ENDPOINT), leader=os.getpid(),
-                        worker_id=worker_id, host=host, transfer_backends=transfer_backends, timeout_s=timeout_s,
-                        engine=engine)
+                        reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT), leader=os.getpid(),
+                        worker_id=worker_id, host=host, transfer_backends=transfer_backends, engine=engine)
             cmd = [sys.executable, "-m", "engine.tp_worker", msgspec.json.encode(spec).decode()]
             self.procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent))
 
@@ -120,8 +144,10 @@ class Followers:
             self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks not ready in {timeout_s:.0f}s")
-            if self.hello.poll(200):
-                hello = msgspec.msgpack.decode(self.hello.recv(), type=_Hello)
+            if self.reports.poll(200):
+                hello = _reports.decode(self.reports.recv())
+                if not isinstance(hello, _Hello):
+                    continue
                 if hello.error is not None:
                     raise RuntimeError(f"tensor-parallel rank {hello.rank} failed to start: {hello.error}")
                 got[hello.rank] = hello.endpoints
@@ -135,6 +161,22 @@ class Followers:
                 sock.send(raw, flags=zmq.NOBLOCK)
             except zmq.Again:
                 raise RuntimeError(f"tensor-parallel rank {rank} no longer takes calls") from None
+
+    def collect(self) -> None:
+        """Hand the followers' transfer reports to the mirrors of their backends."""
+        while True:
+            try:
+                raw = self.reports.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                report = _reports.decode(raw)
+            except msgspec.DecodeError as e:  # only our own children write here; still, never die of it
+                logger.warning("dropped a malformed report from a tensor-parallel rank: %s", e)
+                continue
+            listener = self.listeners.get(getattr(report, "backend", None))
+            if listener is not None:
+                listener.on_report(report)
 
     def check(self) -> None:
         """Raise if a follower has exited: the group cannot go on without it."""
@@ -156,7 +198,7 @@ class Followers:
                 p.wait()
         for sock in self.socks:
             sock.close(0)
-        self.hello.close(0)
+        self.reports.close(0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -225,17 +267,34 @@ class MirroredEngine:
 
 
 class MirroredTransfer:
-    """The leader's transfer engine of one backend: rank 0's half of every call here, the followers' there.
-    Its endpoint is every rank's, joined (transfer.join_rank_endpoints)."""
+    """The leader's transfer engine of one backend: rank 0's part of every call here, the followers' there.
+    Its endpoint is every rank's, joined (transfer.join_rank_endpoints). A request counts as sent or landed
+    once rank 0's part and every follower's report of its own are in."""
 
     def __init__(self, name: str, transfer, followers: Followers):
         self._t = transfer
         self._name = name
         self._followers = followers
+        followers.listeners[name] = self
         self._refused: set[str] = set()  # sends refused here, which the followers never heard of
+        self._sending: set[str] = set()
+        self._own_sent: dict[str, SendResult] = {}
+        self._rank_sent: dict[str, list[_Sent]] = {}
+        self._expected: set[str] = set()
+        self._own_landed: dict[str, bytes] = {}  # rid -> the notification that came with rank 0's part
+        self._rank_landed: dict[str, set[int]] = {}
 
     def __getattr__(self, name):
         return getattr(self._t, name)
+
+    def sockets(self):
+        return self._t.sockets() + [self._followers.reports]
+
+    def on_report(self, report) -> None:
+        if isinstance(report, _Landed) and report.rid in self._expected:
+            self._rank_landed.setdefault(report.rid, set()).add(report.rank)
+        elif isinstance(report, _Sent) and report.rid in self._sending:
+            self._rank_sent.setdefault(report.rid, []).append(report)
 
     def send(self, rid, peer_id, peer_endpoint, src_pages, dst_pages, notify) -> None:
         try:
@@ -249,30 +308,49 @@ class MirroredTransfer:
             self._t.done.append(self._t._record(SendResult(rid, False, f"{self._name}: {why}")))
             self._refused.add(rid)
             return
+        self._sending.add(rid)
         self._followers.call("send", self._name, rid, peer_id, eps, list(src_pages), list(dst_pages), notify)
         self._t.send(rid, peer_id, eps[0], src_pages, dst_pages, notify)
 
-    def poll_sent(self):
-        out = self._t.poll_sent()
-        for res in out:
+    def poll_sent(self) -> list[SendResult]:
+        out = []
+        for res in self._t.poll_sent():
             if res.rid in self._refused:
                 self._refused.discard(res.rid)
+                out.append(res)
             else:
-                self._followers.call("await_sent", self._name, res.rid)
+                self._own_sent[res.rid] = res
+        self._followers.collect()
+        for rid in [r for r in self._own_sent if len(self._rank_sent.get(r, ())) == self._followers.size - 1]:
+            res = self._own_sent.pop(rid)
+            failed = [r for r in self._rank_sent.pop(rid) if not r.ok]
+            self._sending.discard(rid)
+            if failed and res.ok:
+                res = SendResult(rid, False, f"rank {failed[0].rank}: {failed[0].error}", res.nbytes, res.seconds)
+            out.append(res)
         return out
 
     def expect(self, rid, dst_pages) -> None:
+        self._expected.add(rid)
         self._followers.call("expect", self._name, rid, list(dst_pages))
         self._t.expect(rid, dst_pages)
 
     def forget(self, rid) -> None:
+        self._expected.discard(rid)
+        self._own_landed.pop(rid, None)
+        self._rank_landed.pop(rid, None)
         self._followers.call("forget", self._name, rid)
         self._t.forget(rid)
 
-    def poll_received(self):
-        out = self._t.poll_received()
-        for rid, _ in out:
-            self._followers.call("await_kv", self._name, rid)
+    def poll_received(self) -> list[tuple[str, bytes]]:
+        for rid, note in self._t.poll_received():
+            self._own_landed[rid] = note
+        self._followers.collect()
+        out = []
+        for rid in [r for r in self._own_landed if len(self._rank_landed.get(r, ())) == self._followers.size - 1]:
+            out.append((rid, self._own_landed.pop(rid)))
+            self._rank_landed.pop(rid)
+            self._expected.discard(rid)
         return out
 
     def drop_peer(self, peer_id: str, departed: bool = True) -> None:
@@ -288,18 +366,17 @@ class MirroredTransfer:
 
 
 class Follower:
-    """Rank r >= 1: repeats the leader's calls on its own engine and transfer engines."""
+    """Rank r >= 1: repeats the leader's calls on its own engine and transfer engines, and reports its
+    transfers back."""
 
-    def __init__(self, spec: dict, engine, transfers: dict, ops: zmq.Socket):
+    def __init__(self, spec: dict, engine, transfers: dict, ops: zmq.Socket, reports: zmq.Socket):
         self.rank = spec["rank"]
         self.leader = spec["leader"]
-        self.timeout_s = spec["timeout_s"]
         self.engine = engine
         self.transfers = transfers
         self.ops = ops
+        self.reports = reports
         self.queue: deque = deque()
-        self.arrived: set[tuple[str, str]] = set()
-        self.sent: set[tuple[str, str]] = set()
         self.poller = zmq.Poller()
         self.poller.register(ops, zmq.POLLIN)
         for t in transfers.values():
@@ -308,20 +385,24 @@ class Follower:
 
     def run(self) -> None:
         while True:
-            self._pump(1000)
+            self._pump(20 if self.transfers else 1000)
             while self.queue:
                 if not self._apply(self.queue.popleft()):
                     return
+                self._pump(0)  # between steps too: a report held back holds back the request
 
     def _pump(self, wait_ms: int) -> None:
-        """Take what the transfers and the leader have sent. An `expect` is applied as soon as it is read,
-        ahead of the calls before it: this rank's pages may arrive while it still works through those, and a
-        two-sided backend drops pages it does not expect. Early is safe: the leader reserved those pages only
-        once no step of any rank could still use them (the collectives keep the ranks within a step)."""
+        """Report what this rank's transfers did, and take the leader's calls. An `expect` is applied as soon
+        as it is read, ahead of the calls before it: this rank's pages may arrive while it still works through
+        those, and a two-sided backend drops pages it does not expect. Early is safe: the leader reserved those
+        pages only once no step of any rank could still use them (the collectives keep the ranks within a
+        step)."""
         self.poller.poll(wait_ms)
         for name, t in self.transfers.items():
-            self.arrived.update((name, rid) for rid, _ in t.poll_received())
-            self.sent.update((name, res.rid) for res in t.poll_sent())
+            for rid, _ in t.poll_received():
+                self.reports.send(_enc.encode(_Landed(self.rank, name, rid)))
+            for res in t.poll_sent():
+                self.reports.send(_enc.encode(_Sent(self.rank, name, res.rid, res.ok, res.error)))
         while True:
             try:
                 raw = self.ops.recv(flags=zmq.NOBLOCK)
@@ -335,15 +416,6 @@ class Follower:
         if os.getppid() != self.leader:
             raise SystemExit(f"rank {self.rank}: the leader (pid {self.leader}) is gone")
 
-    def _wait(self, done: set, key: tuple[str, str], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while key not in done:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"rank {self.rank}: {what} of {key[1]} ({key[0]}) not done in {self.timeout_s:.0f}s; "
-                                 "the group cannot go on without this rank's pages")
-            self._pump(5)
-        done.discard(key)
-
     def _apply(self, op: list) -> bool:
         name, args = op[0], op[1:]
         e = self.engine
@@ -354,7 +426,7 @@ class Follower:
                 getattr(e, name)(*args)
             except (ValueError, TypeError):
                 pass  # the leader met the same error and told the client
-        elif name == "kv_arrived":
+        elif name == "kv_arrived":  # (the leader saw this rank's part land first)
             rid, token, lp = args
             e.kv_arrived(rid, token, None if lp is None else Logprob(lp[0], lp[1], [tuple(t) for t in lp[2]]))
         elif name in ("abort", "drop_held"):
@@ -369,13 +441,8 @@ class Follower:
             self.transfers[backend].send(rid, peer_id, eps[self.rank], src, dst, notify)
         elif name == "forget":
             self.transfers[args[0]].forget(args[1])
-            self.arrived.discard((args[0], args[1]))
         elif name == "drop_peer":
             self.transfers[args[0]].drop_peer(args[1], args[2])
-        elif name == "await_kv":
-            self._wait(self.arrived, (args[0], args[1]), "the KV transfer")
-        elif name == "await_sent":
-            self._wait(self.sent, (args[0], args[1]), "the send")
         elif name == "stop":
             return False
         else:
@@ -391,9 +458,10 @@ def follower_main(spec: dict) -> None:
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     ctx = zmq.Context()
-    hello = ctx.socket(zmq.PUSH)
-    hello.setsockopt(zmq.LINGER, 2000)
-    hello.connect(spec["hello"])
+    reports = ctx.socket(zmq.PUSH)
+    reports.setsockopt(zmq.LINGER, 2000)
+    reports.setsockopt(zmq.SNDHWM, 0)
+    reports.connect(spec["reports"])
     ops = ctx.socket(zmq.PULL)
     ops.setsockopt(zmq.LINGER, 0)
     ops.connect(spec["ops"])
@@ -410,16 +478,16 @@ def follower_main(spec: dict) -> None:
                     raise
                 logger.warning("transfer backend %s unavailable on rank %d: %s", n, rank, e)
     except BaseException as e:
-        hello.send(_enc.encode(_Hello(rank, error=f"{type(e).__name__}: {e}")))
+        reports.send(_enc.encode(_Hello(rank, error=f"{type(e).__name__}: {e}")))
         raise
-    hello.send(_enc.encode(_Hello(rank, {n: t.endpoint() for n, t in transfers.items()})))
+    reports.send(_enc.encode(_Hello(rank, {n: t.endpoint() for n, t in transfers.items()})))
     try:
-        Follower(spec, engine, transfers, ops).run()
+        Follower(spec, engine, transfers, ops, reports).run()
     finally:
         leave_group()
         for t in transfers.values():
             t.close()
-        hello.close(0)
+        reports.close(0)
         ops.close(0)
         ctx.term()
 

@@ -67,8 +67,7 @@ class Worker:
                 raise ValueError("a worker is rank 0 of its tensor-parallel group and starts the other ranks itself; "
                                  "leave --tp-rank out")
             engine_args = group_args(engine_args)
-            self.followers = Followers(engine_args, self.worker_id, args.host, args.transfer_backends,
-                                       args.transfer_timeout_s)
+            self.followers = Followers(engine_args, self.worker_id, args.host, args.transfer_backends)
         try:
             self.engine = engine or Engine(engine_args)
         except BaseException:

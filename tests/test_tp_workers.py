@@ -137,16 +137,32 @@ def test_a_lost_rank_takes_its_worker_down(tiny_models, tmp_path):
         c.stop()
 
 
-class _Calls:
-    """Stands in for the followers of a two-rank worker: the calls they would get."""
+class _Followers:
+    """Stands in for the followers of a two-rank worker: the calls they would get, and reports the test makes
+    for rank 1."""
 
     size = 2
+    reports = None
 
     def __init__(self):
         self.calls = []
+        self.listeners = {}
+        self.pending = []
 
     def call(self, op, *args):
         self.calls.append([op, *args])
+
+    def collect(self):
+        for r in self.pending:
+            self.listeners[r.backend].on_report(r)
+        self.pending = []
+
+
+def wait_for(poll, timeout=5.0):
+    deadline, got = time.time() + timeout, []
+    while not got and time.time() < deadline:
+        got = poll()
+    return got
 
 
 def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_size():
@@ -157,26 +173,56 @@ def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_s
     from transfer import create_transfer, join_rank_endpoints
 
     pool = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_rank=0, tp_size=2)
-    followers = _Calls()
+    followers = _Followers()
     t = MirroredTransfer("tcp", create_transfer("tcp", pool, "p", "127.0.0.1"), followers)
     try:
         t.send("r1", "d", b"tcp://127.0.0.1:1", [1], [2], b"note")  # a decode worker of one rank
         (res,) = t.poll_sent()
         assert not res.ok and "1 ranks" in res.error
-        assert followers.calls == [], "the refusal is the leader's alone: no rank waits for a send it never made"
+        assert followers.calls == [], "the refusal is the leader's alone: no rank sends"
         peer = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_rank=0, tp_size=2)
         rx = create_transfer("tcp", peer, "d", "127.0.0.1")
         rx.expect("r2", [3])
         t.send("r2", "d", join_rank_endpoints([rx.endpoint(), b"tcp://127.0.0.1:9"]), [1], [3], b"note")
         assert followers.calls == [["send", "tcp", "r2", "d", [rx.endpoint(), b"tcp://127.0.0.1:9"], [1], [3], b"note"]]
-        deadline = time.time() + 5
-        got = []
-        while not got and time.time() < deadline:
-            got = rx.poll_received()
-        assert got == [("r2", b"note")], "rank 0's part went to the peer's rank 0"
+        assert wait_for(rx.poll_received) == [("r2", b"note")], "rank 0's part went to the peer's rank 0"
         rx.close()
     finally:
         t.close()
+
+
+def test_a_request_counts_as_sent_or_landed_once_every_rank_reports_its_part():
+    import torch
+
+    from engine.tp_worker import MirroredTransfer, _Landed, _Sent
+    from kvstore import KVPool
+    from transfer import create_transfer, join_rank_endpoints
+
+    src = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_size=2)
+    dst = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_size=2)
+    pf, df = _Followers(), _Followers()
+    tx = MirroredTransfer("tcp", create_transfer("tcp", src, "p", "127.0.0.1"), pf)
+    rx = MirroredTransfer("tcp", create_transfer("tcp", dst, "d", "127.0.0.1"), df)
+    eps = join_rank_endpoints([rx._t.endpoint(), b"tcp://127.0.0.1:9"])
+    try:
+        for rid in ("a", "b", "c"):
+            rx.expect(rid, [3])
+            tx.send(rid, "d", eps, [1], [3], rid.encode())
+        # Rank 0's parts are all in and sent; rank 1 has said nothing yet: nothing counts.
+        time.sleep(0.3)
+        assert rx.poll_received() == [] and tx.poll_sent() == []
+        df.pending.append(_Landed(1, "tcp", "a"))
+        pf.pending += [_Sent(1, "tcp", "a", True), _Sent(1, "tcp", "b", False, "peer gone")]
+        assert wait_for(rx.poll_received) == [("a", b"a")]
+        assert [(r.rid, r.ok) for r in tx.poll_sent()] == [("a", True), ("b", False)]
+        # A request forgotten meanwhile (aborted, timed out) never counts, whatever arrives later.
+        rx.forget("b")
+        df.pending += [_Landed(1, "tcp", "b"), _Landed(1, "tcp", "c")]
+        assert rx.poll_received() == [("c", b"c")]
+        assert rx._rank_landed == {} and rx._own_landed == {} and rx._expected == set()
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_a_worker_stuck_without_its_rank_stops_heartbeating_and_exits(monkeypatch):
