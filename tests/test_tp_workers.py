@@ -194,7 +194,8 @@ def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_s
 def test_a_request_counts_as_sent_or_landed_once_every_rank_reports_its_part():
     import torch
 
-    from engine.tp_worker import MirroredTransfer, _Landed, _Sent
+    from engine.tp_follower import Landed, Sent
+    from engine.tp_worker import MirroredTransfer
     from kvstore import KVPool
     from transfer import create_transfer, join_rank_endpoints
 
@@ -211,13 +212,13 @@ def test_a_request_counts_as_sent_or_landed_once_every_rank_reports_its_part():
         # Rank 0's parts are all in and sent; rank 1 has said nothing yet: nothing counts.
         time.sleep(0.3)
         assert rx.poll_received() == [] and tx.poll_sent() == []
-        df.pending.append(_Landed(1, "tcp", "a"))
-        pf.pending += [_Sent(1, "tcp", "a", True), _Sent(1, "tcp", "b", False, "peer gone")]
+        df.pending.append(Landed(1, "tcp", "a"))
+        pf.pending += [Sent(1, "tcp", "a", True), Sent(1, "tcp", "b", False, "peer gone")]
         assert wait_for(rx.poll_received) == [("a", b"a")]
         assert [(r.rid, r.ok) for r in tx.poll_sent()] == [("a", True), ("b", False)]
         # A request forgotten meanwhile (aborted, timed out) never counts, whatever arrives later.
         rx.forget("b")
-        df.pending += [_Landed(1, "tcp", "b"), _Landed(1, "tcp", "c")]
+        df.pending += [Landed(1, "tcp", "b"), Landed(1, "tcp", "c")]
         assert rx.poll_received() == [("c", b"c")]
         assert rx._rank_landed == {} and rx._own_landed == {} and rx._expected == set()
     finally:
