@@ -86,7 +86,8 @@ class Engine:
         backend = args.attention_backend or default_backend(self.device)
         attn = create_backend(backend, self.pool, self.config, args.torch_dtype)
         graphs = None
-        if args.on_cuda and backend == "triton" and not args.disable_cuda_graph:
+        # A group whose collectives go through the host (TensorParallel.staged) cannot be captured.
+        if args.on_cuda and backend == "triton" and not args.disable_cuda_graph and not self.tp.staged:
             from engine.graph import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.pool, attn, min(args.cuda_graph_max_bs, args.running_limit),

@@ -17,6 +17,13 @@ class Env:
         return [k for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k]
 
     @staticmethod
+    def tp_backend() -> str | None:
+        """torch.distributed backend of a tensor-parallel group (PDSERVE_TP_BACKEND: nccl or gloo; unset: nccl on
+        GPUs, gloo on CPUs). gloo lets the ranks share one GPU, which NCCL refuses: a way to run --tp N on a
+        one-GPU machine, slowly (collectives through the host, no CUDA graphs), to check its tokens."""
+        return os.environ.get("PDSERVE_TP_BACKEND") or None
+
+    @staticmethod
     def pdl() -> bool:
         """Launch the decode kernels with programmatic dependent launch on Hopper+ (PDSERVE_PDL, default 1)."""
         return os.environ.get("PDSERVE_PDL", "1") != "0"

@@ -62,7 +62,7 @@ def kv_bounds(model) -> tuple[list[float], list[float]]:
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:
         both = torch.tensor([k_bounds, v_bounds], dtype=torch.float32, device=w.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.group)
+        tp.all_reduce(both, op=dist.ReduceOp.MAX)
         k_bounds, v_bounds = both.tolist()
     return k_bounds, v_bounds
 

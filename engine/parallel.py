@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.env import Env
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class TensorParallel:
     size: int = 1
     group: object = None  # torch.distributed ProcessGroup; None with size 1
     device: object = None  # this rank's torch.device: where NCCL wants the tensors of small collectives
+    # Collectives go through host copies: a gloo group of GPU ranks (PDSERVE_TP_BACKEND=gloo), which gloo
+    # cannot all-gather directly. Such a group cannot run inside CUDA graphs; the engine runs it without.
+    staged: bool = False
 
     def shard_config(self, c: ModelConfig) -> ModelConfig:
         """This rank's view of the model: its share of heads and of the MLP width (vocab stays whole)."""
@@ -44,9 +48,15 @@ class TensorParallel:
         start = self.rank * per
         return start, min(start + per, vocab), per
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """x reduced over the ranks, in place."""
+        if self.size == 1:
+            return x
+        if self.staged:
+            host = x.cpu()
+            dist.all_reduce(host, op=op, group=self.group)
+            return x.copy_(host)
+        dist.all_reduce(x, op=op, group=self.group)
         return x
 
     def min_int(self, value: int) -> int:
@@ -54,15 +64,15 @@ class TensorParallel:
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return int(self.all_reduce(t, op=dist.ReduceOp.MIN).item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        part = x.contiguous().cpu() if self.staged else x.contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1).to(x.device)
 
 
 
@@ -78,7 +88,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         return TensorParallel()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so its communicator lands on this rank's GPU
+    backend = Env.tp_backend() or ("nccl" if device.type == "cuda" else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"PDSERVE_TP_BACKEND must be nccl or gloo, got {backend!r}")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=rank, world_size=size)
-    return TensorParallel(rank, size, dist.group.WORLD, device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    return TensorParallel(rank, size, dist.group.WORLD, device, staged=backend == "gloo" and device.type == "cuda")

@@ -143,3 +143,46 @@ def test_groups_draw_their_own_samples_for_unseeded_requests(tiny_models):
         with LLM(path, max_total_tokens=2048, tp_size=2) as llm:
             outs.append([o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], unseeded)])
     assert outs[0] != outs[1]
+
+
+def rank_collectives(rank: int, size: int, addr: str, path: str, out: str) -> None:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from engine.parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
+    got = {}
+    for staged in (False, True):
+        t = dataclasses.replace(tp, staged=staged)
+        x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
+        summed = t.all_reduce(x)
+        got[staged] = {"sum": summed.clone(), "in_place": summed is x,
+                       "max": t.all_reduce(torch.tensor([float(rank), -float(rank)]), op=dist.ReduceOp.MAX),
+                       "min": t.min_int(10 - rank),
+                       "gathered": t.all_gather_last(torch.full((2, 2), float(rank)))}
+    torch.save(got, f"{out}.{rank}")
+    leave_group()
+
+
+def test_collectives_through_the_host_give_what_direct_ones_give(tmp_path):
+    """A gloo group of ranks on one GPU (PDSERVE_TP_BACKEND=gloo) stages every collective through host
+    copies; each must return what the direct collective returns, all-reduce still in place."""
+    for got in run_ranks(rank_collectives, "", str(tmp_path / "coll")):
+        direct, staged = got[False], got[True]
+        assert torch.equal(direct["sum"], torch.arange(6, dtype=torch.float32).view(2, 3) * 3)
+        assert torch.equal(direct["max"], torch.tensor([1.0, 0.0])) and direct["min"] == 9
+        assert torch.equal(direct["gathered"], torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2))
+        assert direct["in_place"] and staged["in_place"]
+        for key in ("sum", "max", "gathered"):
+            assert torch.equal(staged[key], direct[key]), key
+        assert staged["min"] == direct["min"]
+
+
+def test_an_unknown_tensor_parallel_backend_is_refused(monkeypatch):
+    from engine.parallel import init_tensor_parallel
+
+    monkeypatch.setenv("PDSERVE_TP_BACKEND", "mpi2")
+    with pytest.raises(ValueError, match="PDSERVE_TP_BACKEND must be nccl or gloo"):
+        init_tensor_parallel(0, 2, "tcp://127.0.0.1:1", torch.device("cpu"))
