@@ -186,3 +186,31 @@ def test_an_unknown_tensor_parallel_backend_is_refused(monkeypatch):
     monkeypatch.setenv("PDSERVE_TP_BACKEND", "mpi2")
     with pytest.raises(ValueError, match="PDSERVE_TP_BACKEND must be nccl or gloo"):
         init_tensor_parallel(0, 2, "tcp://127.0.0.1:1", torch.device("cpu"))
+
+
+def test_a_written_random_checkpoint_loads_as_the_model_it_was_drawn_from(tiny_models, tmp_path):
+    """bench/tp.py --share-gpu writes one random checkpoint that engines of every --tp load."""
+    import shutil
+
+    from bench.tp import write_checkpoint
+    from engine.config import ModelConfig
+    from engine.loader import build_model, load_model
+
+    path, _ = tiny_models["qwen2"]
+    shutil.copy(f"{path}/config.json", tmp_path)
+    write_checkpoint(str(tmp_path), seed=4)
+    drawn = build_model(ModelConfig.from_dir(str(tmp_path)), torch.bfloat16, torch.device("cpu"), seed=4)
+    loaded = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"))
+    for (name, a), (_, b) in zip(drawn.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_shared_gpu_check_finds_two_ranks_computing_what_one_does(tiny_models):
+    """bench/tp.py --share-gpu's rows, on CPU ranks: every prompt's greedy tokens equal, logits within float32
+    rounding."""
+    from bench.tp import shared_gpu_rows
+
+    path, _ = tiny_models["llama"]
+    (tokens, logits) = shared_gpu_rows(path, 2, prompts=3, tokens=6, chunked_prefill_size=2048)
+    assert tokens[1:4] == (3, 3, 1.0)
+    assert logits[1] < 1e-5
