@@ -211,7 +211,7 @@ def test_the_shared_gpu_check_finds_two_ranks_computing_what_one_does(tiny_model
     from bench.tp import shared_gpu_rows
 
     path, _ = tiny_models["llama"]
-    (tokens, vs_fp32, logits) = shared_gpu_rows(path, 2, prompts=3, tokens=6, chunked_prefill_size=2048)
+    (tokens, fp32, logits) = shared_gpu_rows(path, 2, prompts=3, tokens=6, chunked_prefill_size=2048)
     assert tokens[1:4] == (3, 3, 1.0)
-    assert vs_fp32[1:3] == (3, 3)
+    assert fp32[1:4] == (3, 3, 1.0)
     assert logits[1] < 1e-5
