@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from bench.checks import (
-    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, fp8_kv_capacity, fp8_kv_decode, fp8_kv_error, fp8_kv_outliers, graph_vs_eager, sampled_rows,
+    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, truncation_rows, fp8_kv_capacity, fp8_kv_decode, fp8_kv_error, fp8_kv_outliers, graph_vs_eager, sampled_rows,
     variant_rows)
 from bench.diagnostics import (
     diagnose, linear_diagnostics, profile_host, profile_step, sampling_aborts, tune_decode, tune_gemv)
@@ -44,6 +44,8 @@ def main() -> None:
                          "(bench/fold.py; on a CPU, under TRITON_INTERPRET=1)")
     ap.add_argument("--profile-host", action="store_true", help="Python's profile of eager decode and prefill steps")
     ap.add_argument("--only-transfers", action="store_true", help="only the KV transfer rows (cuda_ipc, nixl, tcp)")
+    ap.add_argument("--only-sampling", action="store_true",
+                    help="only the sampling rows: the draw kernel, top-k/top-p, and the 0.5B sampled steps")
     ap.add_argument("--sampling-aborts", action="store_true",
                     help="sets of requests in every sampling mode, aborted mid-generation: graph steps vs eager")
     ap.add_argument("--tune-gemv", nargs="?", const="", default=None, metavar="SHAPE",
@@ -95,6 +97,15 @@ def main() -> None:
 
     bn, sn = ("smoke", "smoke") if args.smoke else ("8B", "0.5B")
     draw_rows(rows, device, args.smoke)
+    if device.type == "cuda":
+        truncation_rows(rows, device, args.smoke)
+    if args.only_sampling:
+        small = build(load("qwen2.5-0.5b.json"), device, dtype)
+        e = engine_for(small, fast, 8192, device, dtype)
+        steps = 5 if args.smoke else 200
+        t = decode_step_time(e, 1, 1024, steps)
+        sampled_rows(e, sn, t, rows, 1024, steps)
+        return print_table(rows)
     big = build(load("llama-3.1-8b.json"), device, dtype)
     ctx1, ctx2, batch, steps = (64, 128, 4, 5) if args.smoke else (1024, 2048, 64, 30)
     for b, (err, norm) in correctness(big, backends, device, dtype).items():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.step_tokens import counters_for, sample_tokens, triton
+from kernels.truncation import thresholds
 
 _M32 = 0xFFFFFFFF
 
@@ -236,6 +237,17 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
                  use_top_p: bool = True) -> torch.Tensor:
+    if logits.is_cuda and triton is not None:
+        # The same tokens kept, selected rather than sorted for (kernels/truncation.py).
+        logits = logits.float().contiguous()
+        keep = thresholds(logits, top_k, top_p, use_top_k, use_top_p)
+        return logits.masked_fill(logits < keep[:, None], float("-inf"))
+    return sorted_top_k_top_p(logits, top_k, top_p, use_top_k, use_top_p)
+
+
+def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
+                       use_top_p: bool = True) -> torch.Tensor:
+    """Top-k and top-p by their definition on the sorted row: the CPU's way, and the GPU's reference."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]

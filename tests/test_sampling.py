@@ -266,6 +266,37 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
         assert torch.equal(got[row][expect], logits[row][expect])
 
 
+def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
+    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold byte by byte; the tokens
+    at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
+    beyond the row, negative and -inf logits, and ties at the threshold (all kept)."""
+    from kernels.truncation import thresholds
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 5000  # three programs a row, the last one partly past the row
+    logits = torch.randn(7, vocab, generator=g) * 3 - 1
+    logits[3, :100] = float("-inf")
+    logits[4, torch.randperm(vocab, generator=g)[:5]] = logits[4].max() + 1  # five tied at the top
+    params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
+              SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_k=vocab + 10, top_p=0.99),
+              SamplingParams(top_p=0.05)]
+    b = SamplingBatch.build(reqs(params), vocab, "cpu")
+    keep = thresholds(logits, b.top_k, b.top_p, bits=8)
+    assert torch.equal(thresholds(logits, b.top_k, b.top_p, bits=4), keep), "four passes of a byte or eight of 4 bits"
+    for row, p in enumerate(params):
+        ranked = logits[row].sort(descending=True).values
+        k = min(p.top_k or vocab, vocab)
+        probs = ranked[:k].softmax(-1)
+        k = min(k, int(((probs.cumsum(-1) - probs) < p.top_p).sum()) if p.top_p < 1 else k)
+        assert torch.equal(logits[row] >= keep[row], logits[row] >= ranked[k - 1]), p
+    assert keep[3] == float("-inf"), "a row that truncates nothing keeps every token"
+    assert (logits[4] >= keep[4]).sum() == 5, "top-k 3 among five equal largest keeps all five"
+    assert (logits[6] >= keep[6]).sum() < (logits[1] >= keep[1]).sum()
+    # Only the rule asked for runs: without top-p the top-p rows keep everything top-k leaves.
+    only_k = thresholds(logits, b.top_k, b.top_p, use_top_p=False)
+    assert only_k[1] == float("-inf") and only_k[0] == keep[0]
+
+
 def test_a_rows_truncation_does_not_depend_on_its_neighbours():
     """A row draws the same token alone as beside rows that truncate (top-k, top-p, min-p): each row is
     truncated by its own parameters only."""
