@@ -93,7 +93,7 @@ class DecodeGraphs:
         self.mempool = None
         # Per bucket: the graph that draws truncated tokens (top-k, top-p, min-p) from the decode graph's
         # logits, captured on first use; False where capturing failed (those steps sample eagerly).
-        self.truncating: dict[int, torch.cuda.CUDAGraph | bool] = {}
+        self.truncating: dict[tuple, torch.cuda.CUDAGraph | bool] = {}
         self._bucket = 0  # the bucket of the last replay
 
     def _inputs(self, b: int) -> AttentionInputs:
@@ -206,36 +206,37 @@ class DecodeGraphs:
         tokens = self.tokens[b]
         return self.logits[b][: a.batch_size], None if tokens is None else tokens[: a.batch_size]
 
-    def _truncated(self, b: int) -> None:
+    def _truncated(self, b: int, rules: tuple[bool, bool, bool] = (True, True, True)) -> None:
         tokens = truncated_draw(self.logits[b], self.temperature[:b], self.top_k[:b], self.top_p[:b],
-                                self.min_p[:b], self.seeds[:b], self.draws[:b])
+                                self.min_p[:b], self.seeds[:b], self.draws[:b], *rules)
         self.sampled[:b].copy_(tokens)
 
     @torch.inference_mode()
-    def draw_truncated(self, n: int) -> torch.Tensor | None:
+    def draw_truncated(self, n: int, rules: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor | None:
         """The last replay's first n tokens drawn again after each row's top-k, top-p and min-p
         (engine.sampler.truncated_draw), into `sampled`, by a graph of its own: eagerly that is some twenty
-        small launches after every step, which made a top-p 0.5B step host-bound. None if this bucket's graph
-        could not be captured (the caller samples eagerly)."""
-        b = self._bucket
-        g = self.truncating.get(b)
+        small launches after every step, which made a top-p 0.5B step host-bound. `rules`: whether any row
+        asks for top-k, top-p, min-p; a graph per bucket and rules, so that a top-p batch runs no top-k
+        passes. None if that graph could not be captured (the caller samples eagerly)."""
+        key = (self._bucket, rules)
+        g = self.truncating.get(key)
         if g is None:
-            g = self.truncating[b] = self._capture_truncated(b)
+            g = self.truncating[key] = self._capture_truncated(*key)
         if g is False:
             return None
         g.replay()
         return self.sampled[:n]
 
-    def _capture_truncated(self, b: int) -> "torch.cuda.CUDAGraph | bool":
+    def _capture_truncated(self, b: int, rules: tuple[bool, bool, bool]) -> "torch.cuda.CUDAGraph | bool":
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._truncated(b)  # compiles the draw kernel outside the capture
+                self._truncated(b, rules)  # compiles the kernels outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.mempool):
-                self._truncated(b)
+                self._truncated(b, rules)
         except RuntimeError as e:  # (out of memory, or an operation that cannot be captured)
             logger.warning("no truncated-sampling graph for batch size %d: %s; sampling eagerly", b, e)
             return False

@@ -201,7 +201,9 @@ class ModelRunner:
                 return SampleOutput(tokens=argmax_rows(logits))
         elif from_graph and all(truncating_draw(r) for r in reqs):
             # Top-k / top-p / min-p: a second graph draws from these logits with the parameters the step staged.
-            tokens = self.graphs.draw_truncated(len(reqs))
+            hot = [r.params for r in reqs if not r.params.greedy]  # (greedy rows ignore truncation)
+            rules = (any(p.top_k > 0 for p in hot), any(p.top_p < 1.0 for p in hot), any(p.min_p > 0 for p in hot))
+            tokens = self.graphs.draw_truncated(len(reqs), rules)
             if tokens is not None:
                 return SampleOutput(tokens=tokens)
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))

@@ -152,8 +152,8 @@ class InPlaceGraphs(DecodeGraphs):
         self.logits[b], tokens = self._forward(b)
         return self.logits[b][: a.batch_size], tokens[: a.batch_size]
 
-    def draw_truncated(self, n):
-        self._truncated(self._bucket)
+    def draw_truncated(self, n, rules=(True, True, True)):
+        self._truncated(self._bucket, rules)
         return self.sampled[:n]
 
 
