@@ -32,6 +32,19 @@ from bench.measure import (
 from bench.transfers import transfer_rows
 
 
+def seeded_truncated_tokens(engine) -> list[list[int]]:
+    """Eight seeded requests decoded together (top-p 0.9, half of them also top-k 40): their tokens."""
+    from bench.measure import random_prompt
+    from engine.sampling_params import SamplingParams
+
+    reqs = [engine.add_request(random_prompt(40 + 20 * i, engine.config.vocab_size, i),
+                               SamplingParams(temperature=0.9, top_p=0.9, top_k=40 if i % 2 else 0, seed=i,
+                                              max_tokens=32, ignore_eos=True)) for i in range(8)]
+    while engine.has_work():
+        engine.step()
+    return [r.output_ids for r in reqs]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
@@ -112,8 +125,13 @@ def main() -> None:
             engine.sampler._top_k_top_p = engine.sampler.sorted_top_k_top_p
             e.runner.graphs.truncating.clear()
             t_sorted = decode_step_time(e, 1, 1024, steps, sampling=dict(temperature=0.8, top_p=0.95))
+            sorted_tokens = seeded_truncated_tokens(e)
             engine.sampler._top_k_top_p = selected
-            t_top_p = rows[-1][1] / 1e3
+            e.runner.graphs.truncating.clear()
+            same = sum(a == b for a, b in zip(seeded_truncated_tokens(e), sorted_tokens))
+            rows.append((f"{sn} seeded top-p / top-k requests, 8 together x 32 tokens, selected vs sorted "
+                         "truncation: requests drawing the same tokens", same, 8, same / 8, "== 1 (check)"))
+            t_top_p = rows[-2][1] / 1e3
             rows.append((f"{sn} batch-1 decode, 1024 ctx, top-p 0.95 by sorting the row: step ms (selected ms)",
                          t_sorted * 1e3, t_top_p * 1e3, t_sorted / t_top_p, "(for comparison)"))
         return print_table(rows)
