@@ -247,18 +247,20 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
                        use_top_p: bool = True) -> torch.Tensor:
-    """Top-k and top-p by their definition on the sorted row: the CPU's way, and the GPU's reference."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Top-k and top-p by their definition on the sorted row: the CPU's way, and the GPU's reference. Tokens
+    tied with the smallest one kept stay too (bf16 logits tie often, and which of two equal tokens a sort
+    puts first is arbitrary): top-k keeps every token equal to the k-th largest, and top-p, with a row's
+    tied tokens in any order, keeps them all once one of them stays."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_top_k:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        remove |= rank >= k[:, None]
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+        remove |= sorted_logits < sorted_logits.gather(1, (k - 1)[:, None])
     if use_top_p:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Drop a token once the tokens ranked above it already reach top_p; the first token always stays. A row
         # at top_p 1 drops nothing (its sum's rounding could otherwise reach 1 before the tail).
         remove |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    smallest = sorted_logits.masked_fill(remove, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < smallest, float("-inf"))

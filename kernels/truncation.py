@@ -5,17 +5,18 @@ Sorting a 150k-token row to truncate it took most of a sampled step's extra time
 back over the whole row. Truncation only needs one number per row, the threshold below which tokens go, and
 that number can be selected rather than sorted for (a radix select).
 
-Logits map to 32-bit keys that order as the floats do. Four passes each fix one byte of the threshold's key,
-from the top: a pass histograms the row's tokens whose key starts with the bytes fixed so far by their next
-byte (count and softmax mass per byte value, every program a chunk of the row, partial histograms summed
-in a fixed order, so the result does not depend on scheduling), and a one-program-per-row step picks the
-byte holding the threshold:
-- top-k (count): the byte where the count of larger tokens first reaches k; the threshold is the k-th
+Logits map to 32-bit keys that order as the floats do. Eight passes each fix four bits of the threshold's
+key, from the top: a pass histograms the row's tokens whose key starts with the bits fixed so far by their
+next four (count or softmax mass per digit value, every program a chunk of the row, partial histograms
+summed in a fixed order, so the result does not depend on scheduling), and a one-program-per-row step picks
+the digit holding the threshold:
+- top-k (count): the digit where the count of larger tokens first reaches k; the threshold is the k-th
   largest logit;
-- top-p (mass): the lowest byte with a token whose larger tokens hold less than top_p of the mass; the
+- top-p (mass): the lowest digit with a token whose larger tokens hold less than top_p of the mass; the
   threshold is the smallest logit kept by "drop a token once the tokens ranked above it reach top_p".
-Top-p under top-k counts only the tokens top-k keeps. Tokens equal to the threshold all stay, as in
-engine.sampler's torch definition. Nothing here waits for the host, so a graph captures it.
+Top-p under top-k counts only the tokens top-k keeps. Tokens equal to the threshold all stay (bf16 logits
+tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Nothing here waits for the host, so a graph
+captures it.
 """
 
 from __future__ import annotations
@@ -28,51 +29,44 @@ try:
 except ImportError:  # CPU installs without triton
     triton = None
 
-CHUNK = 2048  # tokens a program of a histogram pass reads: a 150k vocabulary is 75 programs a row
-BLOCK = 32  # tokens a program compares with every digit value at a time (on a GPU: registers)
-INTERPRETED_BLOCK = 512  # the interpreter runs each step of a program's loop in Python: fewer, wider steps
+CHUNK = 256  # tokens a program reads, in one load: a 150k vocabulary is 594 programs a row
+BITS = 4  # a pass fixes 4 bits of the key: eight passes, each comparing a token with 16 digit values
 
 
 def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
-               use_top_p: bool = True, bits: int | None = None) -> torch.Tensor:
+               use_top_p: bool = True) -> torch.Tensor:
     """float32 [B]: each row keeps the logits >= its threshold (-inf where it truncates nothing: top_k <= 0
-    and top_p >= 1). logits float32 [B, V], rows contiguous; top_k int64 [B]; top_p float32 [B]. `bits` a
-    pass: 8 (four passes, each comparing a token with 256 values) or 4 (eight passes of 16); by default 8
-    for a few rows, where the passes' launches cost more than their work, and 4 for more."""
+    and top_p >= 1). logits float32 [B, V], rows contiguous; top_k int64 [B]; top_p float32 [B]."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"thresholds: logits float32 [B, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
     rows, vocab = logits.shape
-    bits = bits or (8 if rows <= 4 else 4)
-    if bits not in (4, 8):
-        raise ValueError(f"thresholds: bits must be 4 or 8, got {bits}")
-    partial = torch.empty(rows, triton.cdiv(vocab, CHUNK), 1 << bits, dtype=torch.float32, device=logits.device)
+    partial = torch.empty(rows, triton.cdiv(vocab, CHUNK), 1 << BITS, dtype=torch.float32, device=logits.device)
     largest = logits.amax(dim=-1).contiguous()
     no_floor = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     keep = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
     floor = no_floor
     if use_top_k:
-        key = _select(logits, partial, largest, no_floor, top_k.to(torch.float32).contiguous(), False, bits)
+        key = _select(logits, partial, largest, no_floor, top_k.to(torch.float32).contiguous(), False)
         on = top_k > 0
         floor = torch.where(on, key, no_floor)
         keep = torch.where(on, _key_to_float(key), keep)
     if use_top_p:
-        key = _select(logits, partial, largest, floor, top_p.to(torch.float32).contiguous(), True, bits)
+        key = _select(logits, partial, largest, floor, top_p.to(torch.float32).contiguous(), True)
         keep = torch.where(top_p < 1.0, torch.maximum(keep, _key_to_float(key)), keep)
     return keep
 
 
-def _select(logits, partial, largest, floor, target, mass: bool, bits: int) -> torch.Tensor:
+def _select(logits, partial, largest, floor, target, mass: bool) -> torch.Tensor:
     rows, vocab = logits.shape
     chunks = partial.shape[1]
     prefix = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     rem = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    opts = dict(num_warps=8 if bits == 8 else 4) if logits.is_cuda else {}
-    for shift in range(32 - bits, -1, -bits):
+    opts = dict(num_warps=4) if logits.is_cuda else {}
+    for shift in range(32 - BITS, -1, -BITS):
         _histogram[(rows, chunks)](logits, logits.stride(0), vocab, largest, floor, prefix, partial, SHIFT=shift,
-                                   BITS=bits, MASS=mass, CHUNK=CHUNK,
-                                   BLOCK=BLOCK if logits.is_cuda else INTERPRETED_BLOCK, **opts)
-        _pick[(rows,)](partial, chunks, target, prefix, rem, FIRST=shift == 32 - bits, MASS=mass, BITS=bits,
+                                   BITS=BITS, MASS=mass, CHUNK=CHUNK, **opts)
+        _pick[(rows,)](partial, chunks, target, prefix, rem, FIRST=shift == 32 - BITS, MASS=mass, BITS=BITS,
                        BLOCK_P=triton.next_power_of_2(chunks), **opts)
     return prefix
 
@@ -96,27 +90,25 @@ if triton is not None:
 
     @triton.jit
     def _histogram(X, stride_x, V, LARGEST, FLOOR, PREFIX, PARTIAL, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                   MASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                   MASS: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row, c): over chunk c of its row, the tokens whose key starts with the row's prefix, per
-        value of their next BITS bits: their count, or (MASS) their exp(logit - the row's largest)."""
+        value of their next BITS bits: their count, or (MASS) their exp(logit - the row's largest). The chunk
+        in one load: a loop of dependent loads costs a round trip to memory each."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         prefix = tl.load(PREFIX + row)
         floor = tl.load(FLOOR + row)
-        top = tl.load(LARGEST + row)
         digit = tl.arange(0, 1 << BITS)
-        acc = tl.zeros([BLOCK, 1 << BITS], dtype=tl.float32)
-        for start in range(0, CHUNK, BLOCK):
-            t = c * CHUNK + start + tl.arange(0, BLOCK)
-            x = tl.load(X + row.to(tl.int64) * stride_x + t, mask=t < V, other=0.0)
-            key = _order_key(x)
-            ours = (t < V) & (key >= floor) & ((key >> (SHIFT + BITS)) == prefix)
-            hit = (((key >> SHIFT) & ((1 << BITS) - 1))[:, None] == digit[None, :]) & ours[:, None]
-            if MASS:
-                acc += tl.where(hit, tl.exp(x - top)[:, None], 0.0)
-            else:
-                acc += hit.to(tl.float32)
-        tl.store(PARTIAL + (row * tl.num_programs(1) + c).to(tl.int64) * (1 << BITS) + digit, tl.sum(acc, axis=0))
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + row.to(tl.int64) * stride_x + t, mask=t < V, other=0.0)
+        key = _order_key(x)
+        ours = (t < V) & (key >= floor) & ((key >> (SHIFT + BITS)) == prefix)
+        hit = (((key >> SHIFT) & ((1 << BITS) - 1))[:, None] == digit[None, :]) & ours[:, None]
+        if MASS:
+            w = tl.sum(tl.where(hit, tl.exp(x - tl.load(LARGEST + row))[:, None], 0.0), axis=0)
+        else:
+            w = tl.sum(hit.to(tl.float32), axis=0)
+        tl.store(PARTIAL + (row * tl.num_programs(1) + c).to(tl.int64) * (1 << BITS) + digit, w)
 
     @triton.jit
     def _pick(PARTIAL, CHUNKS, TARGET, PREFIX, REM, FIRST: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr,

@@ -270,6 +270,7 @@ def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
     """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold byte by byte; the tokens
     at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
     beyond the row, negative and -inf logits, and ties at the threshold (all kept)."""
+    from engine.sampler import sorted_top_k_top_p
     from kernels.truncation import thresholds
 
     g = torch.Generator().manual_seed(5)
@@ -281,14 +282,15 @@ def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
               SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_k=vocab + 10, top_p=0.99),
               SamplingParams(top_p=0.05)]
     b = SamplingBatch.build(reqs(params), vocab, "cpu")
-    keep = thresholds(logits, b.top_k, b.top_p, bits=8)
-    assert torch.equal(thresholds(logits, b.top_k, b.top_p, bits=4), keep), "four passes of a byte or eight of 4 bits"
+    keep = thresholds(logits, b.top_k, b.top_p)
     for row, p in enumerate(params):
         ranked = logits[row].sort(descending=True).values
         k = min(p.top_k or vocab, vocab)
         probs = ranked[:k].softmax(-1)
         k = min(k, int(((probs.cumsum(-1) - probs) < p.top_p).sum()) if p.top_p < 1 else k)
         assert torch.equal(logits[row] >= keep[row], logits[row] >= ranked[k - 1]), p
+    assert torch.equal(logits.masked_fill(logits < keep[:, None], float("-inf")),
+                       sorted_top_k_top_p(logits, b.top_k, b.top_p)), "the CPU's sorted path keeps the same tokens"
     assert keep[3] == float("-inf"), "a row that truncates nothing keeps every token"
     assert (logits[4] >= keep[4]).sum() == 5, "top-k 3 among five equal largest keeps all five"
     assert (logits[6] >= keep[6]).sum() < (logits[1] >= keep[1]).sum()
