@@ -52,7 +52,11 @@ def truncation_rows(rows: list, device, smoke: bool) -> None:
     """Top-k / top-p on the device: the thresholds selected digit by digit (kernels/truncation.py) keep the
     tokens the sorted definition keeps (rows of bf16 values, which tie), and what each takes in a CUDA graph,
     at batch 1 and 64."""
-    from engine.sampler import _top_k_top_p, sorted_top_k_top_p
+    from engine.sampler import sorted_top_k_top_p
+    from kernels.truncation import thresholds
+
+    def _top_k_top_p(logits, top_k, top_p):  # what PDSERVE_SELECT_TRUNCATION=1 runs
+        return logits.masked_fill(logits < thresholds(logits, top_k, top_p)[:, None], float("-inf"))
 
     vocab = 1000 if smoke else 151936
     g = torch.Generator(device=device).manual_seed(1)

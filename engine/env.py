@@ -24,6 +24,14 @@ class Env:
         return os.environ.get("PDSERVE_TP_BACKEND") or None
 
     @staticmethod
+    def select_truncation() -> bool:
+        """Top-k and top-p on a GPU by selecting each row's threshold (kernels/truncation.py) rather than by
+        sorting the row (PDSERVE_SELECT_TRUNCATION=1; default 0). Both keep the same tokens. Off by default
+        until its present form is timed: the first form took 345 us against the sort's 135 for a 150k row on
+        an H100 (run Z71, docs/benchmarks.md)."""
+        return os.environ.get("PDSERVE_SELECT_TRUNCATION", "0") == "1"
+
+    @staticmethod
     def pdl() -> bool:
         """Launch the decode kernels with programmatic dependent launch on Hopper+ (PDSERVE_PDL, default 1)."""
         return os.environ.get("PDSERVE_PDL", "1") != "0"

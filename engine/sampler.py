@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.env import Env
 from kernels.step_tokens import counters_for, sample_tokens, triton
 from kernels.truncation import thresholds
 
@@ -237,7 +238,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
                  use_top_p: bool = True) -> torch.Tensor:
-    if logits.is_cuda and triton is not None:
+    if logits.is_cuda and triton is not None and Env.select_truncation():
         # The same tokens kept, selected rather than sorted for (kernels/truncation.py).
         logits = logits.float().contiguous()
         keep = thresholds(logits, top_k, top_p, use_top_k, use_top_p)
