@@ -51,16 +51,16 @@ def draw_rows(rows: list, device, smoke: bool) -> None:
 def truncation_rows(rows: list, device, smoke: bool) -> None:
     """Top-k / top-p on the device: the thresholds selected digit by digit (kernels/truncation.py) keep the
     tokens the sorted definition keeps (rows of bf16 values, which tie), and what each takes in a CUDA graph,
-    at batch 1 and 64."""
+    at batch 1, 8 and 64."""
     from engine.sampler import sorted_top_k_top_p
     from kernels.truncation import thresholds
 
-    def _top_k_top_p(logits, top_k, top_p):  # what PDSERVE_SELECT_TRUNCATION=1 runs
-        return logits.masked_fill(logits < thresholds(logits, top_k, top_p)[:, None], float("-inf"))
+    def _top_k_top_p(logits, top_k, top_p, **rules):  # what the sampler runs on a GPU
+        return logits.masked_fill(logits < thresholds(logits, top_k, top_p, **rules)[:, None], float("-inf"))
 
     vocab = 1000 if smoke else 151936
     g = torch.Generator(device=device).manual_seed(1)
-    for batch in (1, 64):
+    for batch in (1, 8, 64):
         scale = torch.rand(batch, 1, device=device, generator=g) * 8 + 0.5
         logits = (torch.randn(batch, vocab, device=device, generator=g) * scale).bfloat16().float()
         top_k = torch.where(torch.arange(batch, device=device) % 3 == 1, 50, 0)
@@ -68,15 +68,16 @@ def truncation_rows(rows: list, device, smoke: bool) -> None:
         top_p[2::3] = 1.0
         if batch == 1:
             top_k.zero_()
-        ref = torch.isfinite(sorted_top_k_top_p(logits, top_k, top_p))
-        same = int((torch.isfinite(_top_k_top_p(logits, top_k, top_p)) == ref).all(dim=-1).sum())
+        rules = dict(use_top_k=batch > 1, use_top_p=True)  # as the sampler asks: only the rules some row uses
+        ref = torch.isfinite(sorted_top_k_top_p(logits, top_k, top_p, **rules))
+        same = int((torch.isfinite(_top_k_top_p(logits, top_k, top_p, **rules)) == ref).all(dim=-1).sum())
         times = {}
         for name, fn in (("selected", _top_k_top_p), ("sorted", sorted_top_k_top_p)):
-            fn(logits, top_k, top_p)
+            fn(logits, top_k, top_p, **rules)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                fn(logits, top_k, top_p)
+                fn(logits, top_k, top_p, **rules)
             graph.replay()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

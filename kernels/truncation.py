@@ -7,9 +7,7 @@ that number can be selected rather than sorted for (a radix select).
 
 Logits map to 32-bit keys that order as the floats do. Eight passes each fix four bits of the threshold's
 key, from the top: a pass histograms the row's tokens whose key starts with the bits fixed so far by their
-next four (count or softmax mass per digit value, every program a chunk of the row, partial histograms
-summed in a fixed order, so the result does not depend on scheduling), and a one-program-per-row step picks
-the digit holding the threshold:
+next four (count or softmax mass per digit value), and picks the digit holding the threshold:
 - top-k (count): the digit where the count of larger tokens first reaches k; the threshold is the k-th
   largest logit;
 - top-p (mass): the lowest digit with a token whose larger tokens hold less than top_p of the mass; the
@@ -17,9 +15,23 @@ the digit holding the threshold:
 Top-p under top-k counts only the tokens top-k keeps. Tokens equal to the threshold all stay (bf16 logits
 tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Nothing here waits for the host, so a graph
 captures it.
+
+One launch does every pass of both rules. A row is split among G programs, all resident at once (the grid
+never exceeds what the GPU holds together), which meet at a barrier of the row's own after each pass: each
+leaves its partial histogram, and each then sums all G partials in the same fixed order and picks the same
+digit, so no program waits for a second round and the result does not depend on scheduling. Where programs
+run one after another (the interpreter), G is 1 and the barrier is the program's own. From the second pass
+on, each program packs the tokens still in the running and the next pass reads only those: after two digits
+few tokens share the threshold's, so a batch's later passes cost little.
+
+On an H100 (docs/benchmarks.md, Z72-Z75) a launch per pass, as the first forms had, spent 8.5 us a pass on one
+row and lost to the sort at 64 rows; this form takes 84 us for top-k and top-p on one 150k row (the sort 132)
+and 685 us on 64 rows (the sort 1,448).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,8 +41,11 @@ try:
 except ImportError:  # CPU installs without triton
     triton = None
 
-CHUNK = 256  # tokens a program reads, in one load: a 150k vocabulary is 594 programs a row
+CHUNK = 1024  # tokens a program reads in one load; 512 for fewer than 16 rows (SMALL_CHUNK)
+SMALL_CHUNK = 512
+NUM_WARPS = 4
 BITS = 4  # a pass fixes 4 bits of the key: eight passes, each comparing a token with 16 digit values
+PASSES = 32 // BITS
 
 
 def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
@@ -41,98 +56,167 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
         raise ValueError(f"thresholds: logits float32 [B, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
     rows, vocab = logits.shape
-    partial = torch.empty(rows, triton.cdiv(vocab, CHUNK), 1 << BITS, dtype=torch.float32, device=logits.device)
-    largest = logits.amax(dim=-1).contiguous()
-    no_floor = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    keep = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    floor = no_floor
-    if use_top_k:
-        key = _select(logits, partial, largest, no_floor, top_k.to(torch.float32).contiguous(), False)
-        on = top_k > 0
-        floor = torch.where(on, key, no_floor)
-        keep = torch.where(on, _key_to_float(key), keep)
-    if use_top_p:
-        key = _select(logits, partial, largest, floor, top_p.to(torch.float32).contiguous(), True)
-        keep = torch.where(top_p < 1.0, torch.maximum(keep, _key_to_float(key)), keep)
+    # Few rows: shorter chunks, fewer registers, a little less latency a pass (74 against 84 us for one row);
+    # many rows: longer ones read the batch faster (688 against 840 us for 64).
+    chunk = SMALL_CHUNK if rows < 16 else CHUNK
+    chunks = triton.cdiv(vocab, chunk)
+    groups = 1
+    if logits.is_cuda:
+        groups = max(1, min(chunks, resident_programs(logits.device) // max(rows, 1)))
+    span = triton.cdiv(chunks, groups)
+    groups = triton.cdiv(chunks, span)  # no program without a chunk
+    keep = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0 or not (use_top_k or use_top_p):
+        return keep.fill_(float("-inf"))
+    partial = torch.empty(2, rows, groups, 1 << BITS, dtype=torch.float32, device=logits.device)
+    arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    scratch = torch.empty(rows, groups * span * chunk, dtype=torch.float32, device=logits.device)
+    largest = logits.amax(dim=-1).contiguous() if use_top_p else keep
+    opts = dict(num_warps=NUM_WARPS) if logits.is_cuda else {}
+    _thresholds[(rows, groups)](
+        logits, logits.stride(0), vocab, top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
+        largest, partial, arrived, scratch, keep, span,
+        USE_K=use_top_k, USE_P=use_top_p, CHUNK=chunk, BITS=BITS, PASSES=PASSES,
+        BLOCK_G=triton.next_power_of_2(groups), **opts)
     return keep
 
 
-def _select(logits, partial, largest, floor, target, mass: bool) -> torch.Tensor:
-    rows, vocab = logits.shape
-    chunks = partial.shape[1]
-    prefix = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    rem = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    opts = dict(num_warps=4) if logits.is_cuda else {}
-    for shift in range(32 - BITS, -1, -BITS):
-        _histogram[(rows, chunks)](logits, logits.stride(0), vocab, largest, floor, prefix, partial, SHIFT=shift,
-                                   BITS=BITS, MASS=mass, CHUNK=CHUNK, **opts)
-        _pick[(rows,)](partial, chunks, target, prefix, rem, FIRST=shift == 32 - BITS, MASS=mass, BITS=BITS,
-                       BLOCK_P=triton.next_power_of_2(chunks), **opts)
-    return prefix
+def resident_programs(device: torch.device) -> int:
+    """Programs the GPU always holds at once: an SM has 64k registers and a thread uses 255 at most, so it
+    holds 8 warps of any kernel (and never fewer threads than that for want of shared memory here)."""
+    return _sm_count(device) * max(1, 8 // NUM_WARPS)
 
 
-def _key_to_float(key: torch.Tensor) -> torch.Tensor:
-    """The float32 whose order key (as _order_key maps it) is `key` (int64 [B] holding 32-bit keys)."""
-    top = 1 << 31
-    bits = torch.where(key >= top, key - top, 0xFFFFFFFF - key)
-    bits = torch.where(bits >= top, bits - (1 << 32), bits).to(torch.int32)
-    return bits.view(torch.float32)
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if triton is not None:
     @triton.jit
     def _order_key(x):
-        """float32 -> int64 in [0, 2**32), in the floats' order: positive floats above negative ones, and
-        among negatives the larger magnitude lower (their bits flipped)."""
+        """float32 -> uint32 in the floats' order: positive floats above negative ones, and among negatives
+        the larger magnitude lower (their bits flipped)."""
         bits = x.to(tl.int32, bitcast=True)
-        u = bits.to(tl.int64) & 0xFFFFFFFF
-        return tl.where(bits < 0, 0xFFFFFFFF - u, u + 0x80000000)
+        u = x.to(tl.uint32, bitcast=True)
+        sign = tl.full(u.shape, 0x80000000, tl.uint32)
+        return tl.where(bits < 0, ~u, u | sign)
 
     @triton.jit
-    def _histogram(X, stride_x, V, LARGEST, FLOOR, PREFIX, PARTIAL, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                   MASS: tl.constexpr, CHUNK: tl.constexpr):
-        """Program (row, c): over chunk c of its row, the tokens whose key starts with the row's prefix, per
-        value of their next BITS bits: their count, or (MASS) their exp(logit - the row's largest). The chunk
-        in one load: a loop of dependent loads costs a round trip to memory each."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        prefix = tl.load(PREFIX + row)
-        floor = tl.load(FLOOR + row)
-        digit = tl.arange(0, 1 << BITS)
-        t = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(X + row.to(tl.int64) * stride_x + t, mask=t < V, other=0.0)
-        key = _order_key(x)
-        ours = (t < V) & (key >= floor) & ((key >> (SHIFT + BITS)) == prefix)
-        hit = (((key >> SHIFT) & ((1 << BITS) - 1))[:, None] == digit[None, :]) & ours[:, None]
-        if MASS:
-            w = tl.sum(tl.where(hit, tl.exp(x - tl.load(LARGEST + row))[:, None], 0.0), axis=0)
-        else:
-            w = tl.sum(hit.to(tl.float32), axis=0)
-        tl.store(PARTIAL + (row * tl.num_programs(1) + c).to(tl.int64) * (1 << BITS) + digit, w)
+    def _key_to_float(key):
+        sign = tl.full(key.shape, 0x80000000, tl.uint32)
+        bits = tl.where(key >= sign, key ^ sign, ~key)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _pick(PARTIAL, CHUNKS, TARGET, PREFIX, REM, FIRST: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr,
-              BLOCK_P: tl.constexpr):
-        """Program row: the digit holding the row's threshold, appended to its prefix; what is left of its
-        target (a count, or a mass) for the tokens under the new prefix."""
-        row = tl.program_id(0)
-        c = tl.arange(0, BLOCK_P)
+    def _row_barrier(ARRIVED, row, target):
+        """Wait until the row's G programs have all arrived `target / G` times. The CTA barrier first, so
+        that every thread's stores of the partial precede the release."""
+        tl.debug_barrier()
+        tl.atomic_add(ARRIVED + row, 1, sem="release")
+        seen = tl.atomic_add(ARRIVED + row, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(ARRIVED + row, 0, sem="acquire")
+
+    @triton.jit
+    def _scan(src, length, dst, keep_len, floor, fixed, prefix, shift, largest, MASS: tl.constexpr,
+              CHUNK: tl.constexpr, BITS: tl.constexpr):
+        """Over the `length` tokens at src: [16], the count (or MASS: the exp(x - largest)) of the tokens that
+        are ours, per next digit; and how many are ours. Those ours among the first `keep_len` are also
+        written, packed, to dst, for the next pass to read instead: after a pass or two few tokens share the
+        threshold's leading digits, and the rest need not be read again. dst may be src: a token is written
+        at or before its own place, and only once its chunk has been read."""
+        lanes = tl.arange(0, CHUNK)
         digit = tl.arange(0, 1 << BITS)
-        at = PARTIAL + (row * CHUNKS + c[:, None]).to(tl.int64) * (1 << BITS) + digit[None, :]
-        w = tl.sum(tl.load(at, mask=c[:, None] < CHUNKS, other=0.0), axis=0)  # chunks summed in order
-        total = tl.sum(w, axis=0)
-        if FIRST:
-            rem = tl.load(TARGET + row)
+        w = tl.zeros([1 << BITS], dtype=tl.float32)
+        count = tl.full([], 0, tl.int32)
+        # The next chunk's load goes out before this chunk's histogram, so that a program with many chunks
+        # waits for memory about once, not once a chunk.
+        x = tl.load(src + lanes, mask=lanes < length, other=0.0)
+        for start in range(0, length, CHUNK):
+            t = start + lanes
+            x_next = tl.load(src + t + CHUNK, mask=t + CHUNK < length, other=0.0)
+            key = _order_key(x)
+            ours = (t < length) & (key >= floor) & ((key & fixed) == prefix)
+            d = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+            hit = (d[:, None] == digit[None, :]) & ours[:, None]
             if MASS:
-                rem = rem * total
-        else:
-            rem = tl.load(REM + row)
-        above = total - tl.cumsum(w, axis=0)  # what the digit values above each one hold
-        # The lowest digit holding a token with less than `rem` above it. Mass 0 counts as no token: such a
-        # token (more than about 87 below the largest) has nearly all the mass above it. With none left,
-        # digit 0: the threshold then only has to lie below every token.
-        pick = tl.min(tl.where((w > 0) & (above < rem), digit, 1 << BITS), axis=0)
-        pick = tl.where(pick == (1 << BITS), 0, pick)
-        rem = rem - tl.sum(tl.where(digit > pick, w, 0.0), axis=0)
-        tl.store(REM + row, rem)
-        tl.store(PREFIX + row, tl.load(PREFIX + row) * (1 << BITS) + pick)
+                w += tl.sum(tl.where(hit, tl.exp(x - largest)[:, None], 0.0), axis=0)
+            else:
+                w += tl.sum(hit.to(tl.float32), axis=0)
+            at = count + tl.cumsum(ours.to(tl.int32), axis=0) - 1
+            tl.store(dst + at, x, mask=ours & (t < keep_len))
+            count += tl.sum(ours.to(tl.int32), axis=0)
+            x = x_next
+        return w, count
+
+    @triton.jit
+    def _select(X, stride_x, V, row, g, groups, span, largest, floor, target, PARTIAL, ARRIVED, SCRATCH,
+                phase0, MASS: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+        """The key of the row's threshold for one rule (count: `target` is k; MASS: `target` is top_p),
+        among the tokens whose key is >= floor. Barriers phase0 + 1 .. phase0 + PASSES."""
+        rows = tl.num_programs(0)
+        digit = tl.arange(0, 1 << BITS)
+        gs = tl.arange(0, BLOCK_G)
+        prefix = tl.full([], 0, tl.uint32)  # the fixed digits, in place
+        fixed = tl.full([], 0, tl.uint32)  # a mask of the bits they hold
+        rem = target
+        first = g * span * CHUNK  # this program's tokens of the row
+        mine = tl.minimum((g + 1) * span * CHUNK, V) - first
+        src = X + row.to(tl.int64) * stride_x + first
+        packed = SCRATCH + (row * groups + g).to(tl.int64) * span * CHUNK  # its candidates, packed
+        n = mine
+        for i in range(PASSES):
+            shift = tl.cast(32 - BITS - BITS * i, tl.uint32)
+            # Passes 0 and 1 read the row; pass 1 packs its tokens that are ours, and each later pass reads
+            # what the one before packed and packs it again.
+            if i < 2:
+                w, n = _scan(src, mine, packed, mine * tl.minimum(i, 1), floor, fixed, prefix, shift, largest,
+                             MASS, CHUNK, BITS)
+            else:
+                w, n = _scan(packed, n, packed, n, floor, fixed, prefix, shift, largest, MASS, CHUNK, BITS)
+            buf = (phase0 + i) % 2  # a program a pass ahead writes the other buffer
+            tl.store(PARTIAL + ((buf * rows + row) * groups + g).to(tl.int64) * (1 << BITS) + digit, w)
+            _row_barrier(ARRIVED, row, (phase0 + i + 1) * groups)
+            at = PARTIAL + ((buf * rows + row) * groups + gs[:, None]).to(tl.int64) * (1 << BITS) + digit[None, :]
+            w = tl.sum(tl.load(at, mask=gs[:, None] < groups, other=0.0, cache_modifier=".cg"), axis=0)
+            total = tl.sum(w, axis=0)
+            if i == 0:
+                if MASS:
+                    rem = rem * total
+            above = total - tl.cumsum(w, axis=0)  # what the digit values above each one hold
+            # The lowest digit holding a token with less than `rem` above it. Mass 0 counts as no token: such
+            # a token (more than about 87 below the largest) has nearly all the mass above it. With none left,
+            # digit 0: the threshold then only has to lie below every token.
+            pick = tl.min(tl.where((w > 0) & (above < rem), digit, 1 << BITS), axis=0)
+            pick = tl.where(pick == (1 << BITS), 0, pick)
+            rem = rem - tl.sum(tl.where(digit > pick, w, 0.0), axis=0)
+            prefix = prefix | (pick.to(tl.uint32) << shift)
+            fixed = fixed | (tl.full([], (1 << BITS) - 1, tl.uint32) << shift)
+        return prefix
+
+    @triton.jit
+    def _thresholds(X, stride_x, V, TOP_K, TOP_P, LARGEST, PARTIAL, ARRIVED, SCRATCH, KEEP, span,
+                    USE_K: tl.constexpr, USE_P: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr,
+                    PASSES: tl.constexpr, BLOCK_G: tl.constexpr):
+        """Program (row, g): chunks g*span .. of its row, through every pass of top-k, then of top-p."""
+        row = tl.program_id(0)
+        g = tl.program_id(1)
+        groups = tl.num_programs(1)
+        keep = tl.full([], float("-inf"), tl.float32)
+        floor = tl.full([], 0, tl.uint32)
+        if USE_K:
+            k = tl.load(TOP_K + row)
+            key = _select(X, stride_x, V, row, g, groups, span, 0.0, floor, k.to(tl.float32), PARTIAL,
+                          ARRIVED, SCRATCH, 0, False, CHUNK, BITS, PASSES, BLOCK_G)
+            floor = tl.where(k > 0, key, floor)
+            keep = tl.where(k > 0, _key_to_float(key), keep)
+        if USE_P:
+            p = tl.load(TOP_P + row)
+            phase0 = PASSES if USE_K else 0
+            key = _select(X, stride_x, V, row, g, groups, span, tl.load(LARGEST + row), floor, p, PARTIAL,
+                          ARRIVED, SCRATCH, phase0, True, CHUNK, BITS, PASSES, BLOCK_G)
+            keep = tl.where(p < 1.0, tl.maximum(keep, _key_to_float(key)), keep)
+        if g == 0:
+            tl.store(KEEP + row, keep)

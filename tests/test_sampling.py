@@ -267,7 +267,7 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
 
 
 def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
-    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold byte by byte; the tokens
+    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit; the tokens
     at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
     beyond the row, negative and -inf logits, and ties at the threshold (all kept)."""
     from engine.sampler import sorted_top_k_top_p
