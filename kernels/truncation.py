@@ -44,6 +44,7 @@ except ImportError:  # CPU installs without triton
 CHUNK = 1024  # tokens a program reads in one load; 512 for fewer than 16 rows (SMALL_CHUNK)
 SMALL_CHUNK = 512
 NUM_WARPS = 4
+MAX_GROUPS = 1 << 20  # programs a row at most (the GPU's residency bounds it first)
 BITS = 4  # a pass fixes 4 bits of the key: eight passes, each comparing a token with 16 digit values
 PASSES = 32 // BITS
 
@@ -62,7 +63,7 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     chunks = triton.cdiv(vocab, chunk)
     groups = 1
     if logits.is_cuda:
-        groups = max(1, min(chunks, resident_programs(logits.device) // max(rows, 1)))
+        groups = max(1, min(chunks, MAX_GROUPS, resident_programs(logits.device) // max(rows, 1)))
     span = triton.cdiv(chunks, groups)
     groups = triton.cdiv(chunks, span)  # no program without a chunk
     keep = torch.empty(rows, dtype=torch.float32, device=logits.device)
