@@ -27,8 +27,8 @@ class Env:
     def select_truncation() -> bool:
         """Top-k and top-p on a GPU by selecting each row's threshold (kernels/truncation.py) rather than by
         sorting the row (PDSERVE_SELECT_TRUNCATION, default 1; 0 sorts). Both keep the same tokens. On an H100
-        the selection took 84 us against the sort's 132 for one 150k row, and 685 against 1,448 for 64 rows
-        (run Z75, docs/benchmarks.md)."""
+        the selection took 74 us against the sort's 133 for one 150k row, and 688 against 1,459 for 64 rows
+        (run Z76, docs/benchmarks.md)."""
         return os.environ.get("PDSERVE_SELECT_TRUNCATION", "1") != "0"
 
     @staticmethod

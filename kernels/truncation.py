@@ -24,9 +24,9 @@ run one after another (the interpreter), G is 1 and the barrier is the program's
 on, each program packs the tokens still in the running and the next pass reads only those: after two digits
 few tokens share the threshold's, so a batch's later passes cost little.
 
-On an H100 (docs/benchmarks.md, Z72-Z75) a launch per pass, as the first forms had, spent 8.5 us a pass on one
-row and lost to the sort at 64 rows; this form takes 84 us for top-k and top-p on one 150k row (the sort 132)
-and 685 us on 64 rows (the sort 1,448).
+On an H100 (docs/benchmarks.md, Z72-Z76) a launch per pass, as the first forms had, spent 8.5 us a pass on one
+row and lost to the sort at 64 rows; this form takes 74 us for top-k and top-p on one 150k row (the sort 133)
+and 688 us on 64 rows (the sort 1,459).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ except ImportError:  # CPU installs without triton
 CHUNK = 1024  # tokens a program reads in one load; 512 for fewer than 16 rows (SMALL_CHUNK)
 SMALL_CHUNK = 512
 NUM_WARPS = 4
-MAX_GROUPS = 1 << 20  # programs a row at most (the GPU's residency bounds it first)
 BITS = 4  # a pass fixes 4 bits of the key: eight passes, each comparing a token with 16 digit values
 PASSES = 32 // BITS
 
@@ -63,7 +62,7 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     chunks = triton.cdiv(vocab, chunk)
     groups = 1
     if logits.is_cuda:
-        groups = max(1, min(chunks, MAX_GROUPS, resident_programs(logits.device) // max(rows, 1)))
+        groups = max(1, min(chunks, resident_programs(logits.device) // max(rows, 1)))
     span = triton.cdiv(chunks, groups)
     groups = triton.cdiv(chunks, span)  # no program without a chunk
     keep = torch.empty(rows, dtype=torch.float32, device=logits.device)
