@@ -269,18 +269,22 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
 def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
     """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit; the tokens
     at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
-    beyond the row, negative and -inf logits, and ties at the threshold (all kept)."""
+    beyond the row, negative and -inf logits, ties at the threshold (all kept), a row of one value and a row
+    with one finite token."""
     from engine.sampler import sorted_top_k_top_p
     from kernels.truncation import thresholds
 
     g = torch.Generator().manual_seed(5)
-    vocab = 5000  # three programs a row, the last one partly past the row
-    logits = torch.randn(7, vocab, generator=g) * 3 - 1
+    vocab = 5000  # loads of 512 tokens, the last one partly past the row
+    logits = torch.randn(9, vocab, generator=g) * 3 - 1
     logits[3, :100] = float("-inf")
     logits[4, torch.randperm(vocab, generator=g)[:5]] = logits[4].max() + 1  # five tied at the top
+    logits[7] = 0.25
+    logits[8] = float("-inf")
+    logits[8, 4321] = -3.0
     params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
               SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_k=vocab + 10, top_p=0.99),
-              SamplingParams(top_p=0.05)]
+              SamplingParams(top_p=0.05), SamplingParams(top_k=3, top_p=0.5), SamplingParams(top_k=2, top_p=0.3)]
     b = SamplingBatch.build(reqs(params), vocab, "cpu")
     keep = thresholds(logits, b.top_k, b.top_p)
     for row, p in enumerate(params):
@@ -294,6 +298,8 @@ def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
     assert keep[3] == float("-inf"), "a row that truncates nothing keeps every token"
     assert (logits[4] >= keep[4]).sum() == 5, "top-k 3 among five equal largest keeps all five"
     assert (logits[6] >= keep[6]).sum() < (logits[1] >= keep[1]).sum()
+    assert (logits[7] >= keep[7]).all(), "a row of one value ties throughout: all of it stays"
+    assert torch.isfinite(logits[8]).logical_and(logits[8] >= keep[8]).nonzero().flatten().tolist() == [4321]
     # Only the rule asked for runs: without top-p the top-p rows keep everything top-k leaves.
     only_k = thresholds(logits, b.top_k, b.top_p, use_top_p=False)
     assert only_k[1] == float("-inf") and only_k[0] == keep[0]
