@@ -17,7 +17,7 @@ tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Nothing here w
 captures it.
 
 One launch does every pass of both rules. A row is split among G programs, all resident at once (the grid
-never exceeds what the GPU holds together), which meet at a barrier of the row's own after each pass: each
+never exceeds what the SMs hold together, by the compiled kernel's registers and shared memory), which meet at a barrier of the row's own after each pass: each
 leaves its partial histogram, and each then sums all G partials in the same fixed order and picks the same
 digit, so no program waits for a second round and the result does not depend on scheduling. Where programs
 run one after another (the interpreter), G is 1 and the barrier is the program's own. From the second pass
@@ -60,14 +60,20 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     # many rows: longer ones read the batch faster (688 against 840 us for 64).
     chunk = SMALL_CHUNK if rows < 16 else CHUNK
     chunks = triton.cdiv(vocab, chunk)
-    groups = 1
-    if logits.is_cuda:
-        groups = max(1, min(chunks, resident_programs(logits.device) // max(rows, 1)))
-    span = triton.cdiv(chunks, groups)
-    groups = triton.cdiv(chunks, span)  # no program without a chunk
     keep = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0 or not (use_top_k or use_top_p):
         return keep.fill_(float("-inf"))
+    groups = 1
+    if logits.is_cuda:
+        # Every program of a row must be resident at once, or the row's barrier waits forever: at most as
+        # many programs as the SMs hold together, by the compiled kernel's registers and shared memory.
+        sms = _sm_count(logits.device)
+        groups = _groups(rows, chunks, sms * 2)
+        per_sm = programs_per_sm(logits.device, use_top_k, use_top_p, chunk, triton.next_power_of_2(groups))
+        if per_sm < 2:
+            groups = _groups(rows, chunks, sms * per_sm)
+    span = triton.cdiv(chunks, groups)
+    groups = triton.cdiv(chunks, span)  # no program without a chunk
     partial = torch.empty(2, rows, groups, 1 << BITS, dtype=torch.float32, device=logits.device)
     arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
     scratch = torch.empty(rows, groups * span * chunk, dtype=torch.float32, device=logits.device)
@@ -81,10 +87,29 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     return keep
 
 
-def resident_programs(device: torch.device) -> int:
-    """Programs the GPU always holds at once: an SM has 64k registers and a thread uses 255 at most, so it
-    holds 8 warps of any kernel (and never fewer threads than that for want of shared memory here)."""
-    return _sm_count(device) * max(1, 8 // NUM_WARPS)
+def _groups(rows: int, chunks: int, resident: int) -> int:
+    return max(1, min(chunks, resident // max(rows, 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def programs_per_sm(device: torch.device, use_top_k: bool, use_top_p: bool, chunk: int, block_g: int) -> int:
+    """How many programs of this launch an SM holds at once (2 at most, the grid's bound; 1 at least: any
+    kernel that launches fits one), from the compiled kernel's registers and shared memory."""
+    try:
+        f = torch.empty(1, dtype=torch.float32, device=device)
+        i = torch.empty(1, dtype=torch.int32, device=device)
+        kernel = _thresholds.warmup(f, 2, 2, i, f, f, f, i, f, f, 2, USE_K=use_top_k, USE_P=use_top_p, CHUNK=chunk,
+                                    BITS=BITS, PASSES=PASSES, BLOCK_G=block_g, num_warps=NUM_WARPS, grid=(1,))
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        regs = getattr(props, "regs_per_multiprocessor", 65536)
+        shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # registers go to warps 256 at a time
+        by_regs = regs // (warp_regs * NUM_WARPS)
+        by_shared = shared // (kernel.metadata.shared + 1024)  # 1 KB of each block's is the system's
+        return max(1, min(2, by_regs, by_shared, 2048 // (32 * NUM_WARPS)))
+    except Exception:  # a Triton without these internals: one program an SM is always safe
+        return 1
 
 
 @functools.lru_cache(maxsize=None)
