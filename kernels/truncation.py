@@ -17,12 +17,13 @@ tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Nothing here w
 captures it.
 
 One launch does every pass of both rules. A row is split among G programs, all resident at once (the grid
-never exceeds what the SMs hold together, by the compiled kernel's registers and shared memory), which meet at a barrier of the row's own after each pass: each
-leaves its partial histogram, and each then sums all G partials in the same fixed order and picks the same
-digit, so no program waits for a second round and the result does not depend on scheduling. Where programs
-run one after another (the interpreter), G is 1 and the barrier is the program's own. From the second pass
-on, each program packs the tokens still in the running and the next pass reads only those: after two digits
-few tokens share the threshold's, so a batch's later passes cost little.
+never exceeds what the SMs hold together, by the compiled kernel's registers and shared memory), which meet at
+a barrier of the row's own after each pass: each leaves its partial histogram, and each then sums all G
+partials in the same fixed order and picks the same digit, so no program waits for a second round and the
+result does not depend on scheduling. Where programs run one after another (the interpreter), G is 1 and the
+barrier is the program's own. From the second pass on, each program packs the tokens still in the running
+and the next pass reads only those: after two digits few tokens share the threshold's, so a batch's later
+passes cost little.
 
 On an H100 (docs/benchmarks.md, Z72-Z76) a launch per pass, as the first forms had, spent 8.5 us a pass on one
 row and lost to the sort at 64 rows; this form takes 74 us for top-k and top-p on one 150k row (the sort 133)
