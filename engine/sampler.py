@@ -64,11 +64,24 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, s
 
 def truncated_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, use_top_k: bool = True,
-                   use_top_p: bool = True, use_min_p: bool = True) -> torch.Tensor:
+                   use_top_p: bool = True, use_min_p: bool = True, fused: bool | None = None) -> torch.Tensor:
     """One token per row: drawn at the row's temperature after its top-k, top-p and min-p truncation, or the
     argmax of the logits where the temperature is 0. A row is truncated by its own parameters alone (top_k 0,
     top_p 1 and min_p 0 truncate nothing, whatever the other rows ask); the flags skip a rule no row asks for.
-    No host synchronisation, so a decode graph can capture it (engine/graph.py)."""
+    No host synchronisation, so a decode graph can capture it (engine/graph.py).
+
+    On a GPU (`fused` None; True forces it under the interpreter, False the torch code) this is two kernels
+    after the row maxima: one threshold per row for all three rules (kernels/truncation.py), then the draw,
+    which divides by the temperature and drops what lies below the threshold as it reads the row
+    (kernels/step_tokens.py). The torch code below computes the same thing in some fifteen launches."""
+    if fused is None:
+        fused = logits.is_cuda and triton is not None and Env.select_truncation()
+    if fused:
+        floor = thresholds(logits.float().contiguous(), top_k, top_p, use_top_k, use_top_p,
+                           temperature.float().contiguous(), min_p.float().contiguous() if use_min_p else None)
+        return sample_tokens(logits.float().contiguous(), counters_for(logits.shape[0], logits.device),
+                             temperature.float().contiguous(), seeds.long().contiguous(), steps.long().contiguous(),
+                             floor=floor)
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     if use_top_k or use_top_p:

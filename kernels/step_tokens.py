@@ -62,11 +62,13 @@ def argmax_tokens(logits: torch.Tensor, counters: torch.Tensor, out: torch.Tenso
 
 def sample_tokens(logits: torch.Tensor, counters: torch.Tensor, temperature: torch.Tensor | None = None,
                   seeds: torch.Tensor | None = None, draws: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, floor: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's token, int64 [B] (into `out` if given): with `temperature` (float32 [B]), `seeds` and
     `draws` (int64 [B]: the request's seed, the index of the token drawn), the argmax of
     logits / T - log(-log u(seed, draw, token)) for rows with T > 0 (engine.sampler.draw) and of the logits
-    for rows with T == 0; without them, logits.argmax(dim=-1)."""
+    for rows with T == 0; without them, logits.argmax(dim=-1). With `floor` (float32 [B], in units of
+    logits / T: kernels/truncation.thresholds), a row at T > 0 draws only among the tokens whose logits / T
+    are >= its floor, as engine.sampler.truncated_draw draws after truncation."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sample_tokens: logits {tuple(logits.shape)} with strides {logits.stride()}")
     rows, vocab = logits.shape
@@ -77,6 +79,9 @@ def sample_tokens(logits: torch.Tensor, counters: torch.Tensor, temperature: tor
     if sample and (temperature.dtype != torch.float32 or seeds.dtype != torch.int64 or draws.dtype != torch.int64):
         raise ValueError(f"sample_tokens: temperature float32, seeds and draws int64, got {temperature.dtype}, "
                          f"{seeds.dtype}, {draws.dtype}")
+    if floor is not None and (not sample or floor.shape != (rows,) or floor.dtype != torch.float32
+                              or floor.device != logits.device or not floor.is_contiguous()):
+        raise ValueError(f"sample_tokens: a floor must be float32 [{rows}] on {logits.device}, with temperatures")
     if counters.dtype != torch.int32 or counters.numel() < rows or counters.device != logits.device:
         raise ValueError(f"sample_tokens: {rows} int32 counters on {logits.device} needed")
     chunks = triton.cdiv(vocab, CHUNK)
@@ -90,8 +95,9 @@ def sample_tokens(logits: torch.Tensor, counters: torch.Tensor, temperature: tor
     opts = dict(launch_pdl=on, num_warps=4) if logits.is_cuda else {}
     params = (temperature, seeds, draws) if sample else (values, values, values)
     _argmax_kernel[(rows, chunks)](logits, logits.stride(0), vocab, values, index, counters, out, *params,
-                                   CHUNK=CHUNK, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), PDL=on,
-                                   SAMPLE=sample, EXACT=logits.is_cuda, **opts)
+                                   values if floor is None else floor, CHUNK=CHUNK, CHUNKS=chunks,
+                                   BLOCK_C=triton.next_power_of_2(chunks), PDL=on, SAMPLE=sample,
+                                   FLOOR=floor is not None, EXACT=logits.is_cuda, **opts)
     return out
 
 
@@ -122,9 +128,9 @@ if triton is not None:
         return tl.log(x)
 
     @triton.jit
-    def _argmax_kernel(X, stride_x, V, VALUES, INDEX, COUNTERS, OUT, TEMP, SEEDS, DRAWS, CHUNK: tl.constexpr,
-                       CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, SAMPLE: tl.constexpr,
-                       EXACT: tl.constexpr):
+    def _argmax_kernel(X, stride_x, V, VALUES, INDEX, COUNTERS, OUT, TEMP, SEEDS, DRAWS, FLOORS,
+                       CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+                       SAMPLE: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
         if SAMPLE:  # the row's parameters (step inputs, written before the graph ran: read before the wait)
@@ -144,7 +150,10 @@ if triton is not None:
                 h = _fmix32(key ^ ((t.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF))
                 h = _fmix32(h ^ key)
                 u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))  # engine.sampler.unit_interval
-                x = tl.math.div_rn(x, temp) - _log(-_log(u, EXACT), EXACT)
+                x = tl.math.div_rn(x, temp)
+                if FLOOR:  # (the previous kernel's: read after the wait)
+                    x = tl.where(x < tl.load(FLOORS + row), float("-inf"), x)
+                x = x - _log(-_log(u, EXACT), EXACT)
         # NaN wins, as in torch; lanes past the vocabulary never do, whatever their noise.
         x = tl.where(t < V, tl.where(x != x, float("inf"), x), float("-inf"))
         best = tl.max(x, axis=0)

@@ -39,6 +39,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from triton.language.extra import libdevice
 except ImportError:  # CPU installs without triton
     triton = None
 
@@ -50,27 +52,39 @@ PASSES = 32 // BITS
 
 
 def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
-               use_top_p: bool = True) -> torch.Tensor:
-    """float32 [B]: each row keeps the logits >= its threshold (-inf where it truncates nothing: top_k <= 0
-    and top_p >= 1). logits float32 [B, V], rows contiguous; top_k int64 [B]; top_p float32 [B]."""
+               use_top_p: bool = True, temperature: torch.Tensor | None = None,
+               min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [B]: each row keeps the logits >= its threshold (-inf where it truncates nothing: top_k <= 0,
+    top_p >= 1 and min_p 0). logits float32 [B, V], rows contiguous; top_k int64 [B]; top_p float32 [B].
+
+    With `temperature` (float32 [B]), the rules apply to logits / T (rows at T <= 0: T 1), divided as
+    engine.sampler.truncated_draw divides them, and the threshold is in those units. With `min_p` (float32
+    [B]), the threshold is also at least the row's largest (scaled) logit + log(min_p): p < min_p * max p,
+    in logits. Top-k, top-p and min-p then cost one launch together, with the row's maximum before it."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"thresholds: logits float32 [B, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
     rows, vocab = logits.shape
+    for name, t in (("temperature", temperature), ("min_p", min_p)):
+        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or t.device != logits.device):
+            raise ValueError(f"thresholds: {name} must be float32 [{rows}] on {logits.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
     # Few rows: shorter chunks, fewer registers, a little less latency a pass (74 against 84 us for one row);
     # many rows: longer ones read the batch faster (688 against 840 us for 64).
     chunk = SMALL_CHUNK if rows < 16 else CHUNK
     chunks = triton.cdiv(vocab, chunk)
     keep = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows == 0 or not (use_top_k or use_top_p):
+    use_min_p = min_p is not None
+    if rows == 0 or not (use_top_k or use_top_p or use_min_p):
         return keep.fill_(float("-inf"))
     groups = 1
-    if logits.is_cuda:
+    if logits.is_cuda and (use_top_k or use_top_p):  # (min-p alone has no passes: a program a row)
         # Every program of a row must be resident at once, or the row's barrier waits forever: at most as
         # many programs as the SMs hold together, by the compiled kernel's registers and shared memory.
         sms = _sm_count(logits.device)
         groups = _groups(rows, chunks, sms * 2)
-        per_sm = programs_per_sm(logits.device, use_top_k, use_top_p, chunk, triton.next_power_of_2(groups))
+        per_sm = programs_per_sm(logits.device, use_top_k, use_top_p, chunk, triton.next_power_of_2(groups),
+                                 temperature is not None, use_min_p)
         if per_sm < 2:
             groups = _groups(rows, chunks, sms * per_sm)
     span = triton.cdiv(chunks, groups)
@@ -78,13 +92,15 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     partial = torch.empty(2, rows, groups, 1 << BITS, dtype=torch.float32, device=logits.device)
     arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
     scratch = torch.empty(rows, groups * span * chunk, dtype=torch.float32, device=logits.device)
-    largest = logits.amax(dim=-1).contiguous() if use_top_p else keep
+    largest = logits.amax(dim=-1).contiguous() if use_top_p or use_min_p else keep
     opts = dict(num_warps=NUM_WARPS) if logits.is_cuda else {}
     _thresholds[(rows, groups)](
         logits, logits.stride(0), vocab, top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
+        keep if temperature is None else temperature.contiguous(), keep if min_p is None else min_p.contiguous(),
         largest, partial, arrived, scratch, keep, span,
-        USE_K=use_top_k, USE_P=use_top_p, CHUNK=chunk, BITS=BITS, PASSES=PASSES,
-        BLOCK_G=triton.next_power_of_2(groups), **opts)
+        USE_K=use_top_k, USE_P=use_top_p, SCALE=temperature is not None, USE_MIN_P=use_min_p,
+        EXACT=logits.is_cuda, CHUNK=chunk, BITS=BITS, PASSES=PASSES, BLOCK_G=triton.next_power_of_2(groups),
+        **opts)
     return keep
 
 
@@ -93,14 +109,16 @@ def _groups(rows: int, chunks: int, resident: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def programs_per_sm(device: torch.device, use_top_k: bool, use_top_p: bool, chunk: int, block_g: int) -> int:
+def programs_per_sm(device: torch.device, use_top_k: bool, use_top_p: bool, chunk: int, block_g: int,
+                    scale: bool = False, use_min_p: bool = False) -> int:
     """How many programs of this launch an SM holds at once (2 at most, the grid's bound; 1 at least: any
     kernel that launches fits one), from the compiled kernel's registers and shared memory."""
     try:
         f = torch.empty(1, dtype=torch.float32, device=device)
         i = torch.empty(1, dtype=torch.int32, device=device)
-        kernel = _thresholds.warmup(f, 2, 2, i, f, f, f, i, f, f, 2, USE_K=use_top_k, USE_P=use_top_p, CHUNK=chunk,
-                                    BITS=BITS, PASSES=PASSES, BLOCK_G=block_g, num_warps=NUM_WARPS, grid=(1,))
+        kernel = _thresholds.warmup(f, 2, 2, i, f, f, f, f, f, i, f, f, 2, USE_K=use_top_k, USE_P=use_top_p,
+                                    SCALE=scale, USE_MIN_P=use_min_p, EXACT=True, CHUNK=chunk, BITS=BITS,
+                                    PASSES=PASSES, BLOCK_G=block_g, num_warps=NUM_WARPS, grid=(1,))
         kernel._init_handles()
         props = torch.cuda.get_device_properties(device)
         regs = getattr(props, "regs_per_multiprocessor", 65536)
@@ -119,6 +137,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 if triton is not None:
+    @triton.jit
+    def _log(x, EXACT: tl.constexpr):
+        if EXACT:  # the CUDA math library's logf, which torch.log calls (tl.log may lower to an approximation)
+            return libdevice.log(x)
+        return tl.log(x)
+
     @triton.jit
     def _order_key(x):
         """float32 -> uint32 in the floats' order: positive floats above negative ones, and among negatives
@@ -145,13 +169,14 @@ if triton is not None:
             seen = tl.atomic_add(ARRIVED + row, 0, sem="acquire")
 
     @triton.jit
-    def _scan(src, length, dst, keep_len, floor, fixed, prefix, shift, largest, MASS: tl.constexpr,
-              CHUNK: tl.constexpr, BITS: tl.constexpr):
+    def _scan(src, length, dst, keep_len, floor, fixed, prefix, shift, largest, temp, MASS: tl.constexpr,
+              SCALE: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr):
         """Over the `length` tokens at src: [16], the count (or MASS: the exp(x - largest)) of the tokens that
         are ours, per next digit; and how many are ours. Those ours among the first `keep_len` are also
         written, packed, to dst, for the next pass to read instead: after a pass or two few tokens share the
         threshold's leading digits, and the rest need not be read again. dst may be src: a token is written
-        at or before its own place, and only once its chunk has been read."""
+        at or before its own place, and only once its chunk has been read. SCALE: the tokens at src are
+        divided by temp as they are read (the row itself; what is packed is already divided)."""
         lanes = tl.arange(0, CHUNK)
         digit = tl.arange(0, 1 << BITS)
         w = tl.zeros([1 << BITS], dtype=tl.float32)
@@ -162,6 +187,8 @@ if triton is not None:
         for start in range(0, length, CHUNK):
             t = start + lanes
             x_next = tl.load(src + t + CHUNK, mask=t + CHUNK < length, other=0.0)
+            if SCALE:
+                x = tl.math.div_rn(x, temp)
             key = _order_key(x)
             ours = (t < length) & (key >= floor) & ((key & fixed) == prefix)
             d = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
@@ -177,9 +204,9 @@ if triton is not None:
         return w, count
 
     @triton.jit
-    def _select(X, stride_x, V, row, g, groups, span, largest, floor, target, PARTIAL, ARRIVED, SCRATCH,
-                phase0, MASS: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
-                BLOCK_G: tl.constexpr):
+    def _select(X, stride_x, V, row, g, groups, span, largest, temp, floor, target, PARTIAL, ARRIVED, SCRATCH,
+                phase0, MASS: tl.constexpr, SCALE: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr,
+                PASSES: tl.constexpr, BLOCK_G: tl.constexpr):
         """The key of the row's threshold for one rule (count: `target` is k; MASS: `target` is top_p),
         among the tokens whose key is >= floor. Barriers phase0 + 1 .. phase0 + PASSES."""
         rows = tl.num_programs(0)
@@ -199,9 +226,10 @@ if triton is not None:
             # what the one before packed and packs it again.
             if i < 2:
                 w, n = _scan(src, mine, packed, mine * tl.minimum(i, 1), floor, fixed, prefix, shift, largest,
-                             MASS, CHUNK, BITS)
+                             temp, MASS, SCALE, CHUNK, BITS)
             else:
-                w, n = _scan(packed, n, packed, n, floor, fixed, prefix, shift, largest, MASS, CHUNK, BITS)
+                w, n = _scan(packed, n, packed, n, floor, fixed, prefix, shift, largest, temp, MASS, False, CHUNK,
+                             BITS)
             buf = (phase0 + i) % 2  # a program a pass ahead writes the other buffer
             tl.store(PARTIAL + ((buf * rows + row) * groups + g).to(tl.int64) * (1 << BITS) + digit, w)
             _row_barrier(ARRIVED, row, (phase0 + i + 1) * groups)
@@ -223,26 +251,43 @@ if triton is not None:
         return prefix
 
     @triton.jit
-    def _thresholds(X, stride_x, V, TOP_K, TOP_P, LARGEST, PARTIAL, ARRIVED, SCRATCH, KEEP, span,
-                    USE_K: tl.constexpr, USE_P: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr,
-                    PASSES: tl.constexpr, BLOCK_G: tl.constexpr):
-        """Program (row, g): chunks g*span .. of its row, through every pass of top-k, then of top-p."""
+    def _thresholds(X, stride_x, V, TOP_K, TOP_P, TEMP, MIN_P, LARGEST, PARTIAL, ARRIVED, SCRATCH, KEEP, span,
+                    USE_K: tl.constexpr, USE_P: tl.constexpr, SCALE: tl.constexpr, USE_MIN_P: tl.constexpr,
+                    EXACT: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+        """Program (row, g): chunks g*span .. of its row, through every pass of top-k, then of top-p; the
+        min-p floor last."""
         row = tl.program_id(0)
         g = tl.program_id(1)
         groups = tl.num_programs(1)
+        temp = 1.0
+        if SCALE:
+            temp = tl.load(TEMP + row)
+            temp = tl.where(temp > 0, temp, 1.0)
+        largest = 0.0
+        if USE_P or USE_MIN_P:
+            # Division by a positive number keeps the order, and rounding is monotonic: the largest divided
+            # is the largest of the divided.
+            largest = tl.load(LARGEST + row)
+            if SCALE:
+                largest = tl.math.div_rn(largest, temp)
         keep = tl.full([], float("-inf"), tl.float32)
         floor = tl.full([], 0, tl.uint32)
         if USE_K:
             k = tl.load(TOP_K + row)
-            key = _select(X, stride_x, V, row, g, groups, span, 0.0, floor, k.to(tl.float32), PARTIAL,
-                          ARRIVED, SCRATCH, 0, False, CHUNK, BITS, PASSES, BLOCK_G)
+            key = _select(X, stride_x, V, row, g, groups, span, 0.0, temp, floor, k.to(tl.float32), PARTIAL,
+                          ARRIVED, SCRATCH, 0, False, SCALE, CHUNK, BITS, PASSES, BLOCK_G)
             floor = tl.where(k > 0, key, floor)
             keep = tl.where(k > 0, _key_to_float(key), keep)
         if USE_P:
             p = tl.load(TOP_P + row)
             phase0 = PASSES if USE_K else 0
-            key = _select(X, stride_x, V, row, g, groups, span, tl.load(LARGEST + row), floor, p, PARTIAL,
-                          ARRIVED, SCRATCH, phase0, True, CHUNK, BITS, PASSES, BLOCK_G)
+            key = _select(X, stride_x, V, row, g, groups, span, largest, temp, floor, p, PARTIAL,
+                          ARRIVED, SCRATCH, phase0, True, SCALE, CHUNK, BITS, PASSES, BLOCK_G)
             keep = tl.where(p < 1.0, tl.maximum(keep, _key_to_float(key)), keep)
+        if USE_MIN_P:
+            # engine.sampler's floor, term for term: the largest + log(min_p) (min_p 0: -inf, nothing dropped).
+            # The largest token survives top-k and top-p, so the largest after them is this one.
+            keep = tl.maximum(keep, largest + _log(tl.load(MIN_P + row), EXACT))
         if g == 0:
             tl.store(KEEP + row, keep)

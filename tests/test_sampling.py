@@ -324,3 +324,34 @@ def test_a_rows_truncation_does_not_depend_on_its_neighbours():
                                use_top_p=bool(p[row] < 1), use_min_p=bool(m[row] > 0))
         assert alone.item() == together[row].item(), row
     assert together[3] == logits[3].argmax()
+
+
+def test_the_fused_truncated_draw_draws_what_the_torch_code_draws():
+    """On a GPU a truncated draw is the row maxima, one threshold kernel for top-k, top-p and min-p at the
+    row's temperature, and the draw kernel dropping what lies below it (run here under the interpreter). It
+    draws the torch code's tokens: every rule alone and together, greedy rows beside them, ties at the top,
+    -inf logits, several temperatures, seeds and draw positions."""
+    from engine.sampler import truncated_draw
+
+    g = torch.Generator().manual_seed(8)
+    vocab = 3000
+    logits = torch.randn(8, vocab, generator=g) * 3
+    logits[2, :50] = float("-inf")
+    logits[5, torch.randperm(vocab, generator=g)[:4]] = logits[5].max() + 0.5  # four tied at the top
+    t = torch.tensor([1.0, 0.7, 1.3, 0.0, 0.5, 1.0, 2.0, 0.9])
+    k = torch.tensor([0, 40, 0, 0, 5, 2, 0, 100])
+    p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0, 0.95, 0.7])
+    m = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.2, 0.0, 0.01, 0.1])
+    seeds = torch.arange(8) * 7919
+    for rules in [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]:
+        for step in (0, 5):
+            steps = torch.full((8,), step)
+            args = (logits, t, k, p, m, seeds, steps, *rules)
+            fused = truncated_draw(*args, fused=True)
+            assert fused.tolist() == truncated_draw(*args, fused=False).tolist(), (rules, step)
+            assert fused[3] == logits[3].argmax(), "a greedy row takes its argmax whatever its top-p"
+            if rules[0]:
+                assert fused[5].item() in (logits[5] == logits[5].max()).nonzero().flatten().tolist()
+    with pytest.raises(ValueError, match="temperature"):
+        from kernels.truncation import thresholds
+        thresholds(logits, k, p, temperature=t[:3])
