@@ -13,7 +13,10 @@ next four (count or softmax mass per digit value), and picks the digit holding t
 - top-p (mass): the lowest digit with a token whose larger tokens hold less than top_p of the mass; the
   threshold is the smallest logit kept by "drop a token once the tokens ranked above it reach top_p".
 Top-p under top-k counts only the tokens top-k keeps. Tokens equal to the threshold all stay (bf16 logits
-tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Nothing here waits for the host, so a graph
+tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Given the rows' temperatures, the launch
+divides each token by its row's as it reads it, and given min-p it raises the threshold to the row's largest
++ log(min_p) at the end: the sampler's draw kernel then drops what lies below it as it draws, and a truncated
+draw is three launches where the torch code took some twenty (Z79). Nothing here waits for the host, so a graph
 captures it.
 
 One launch does every pass of both rules. A row is split among G programs, all resident at once (the grid
