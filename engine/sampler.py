@@ -77,11 +77,11 @@ def truncated_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if fused is None:
         fused = logits.is_cuda and triton is not None and Env.select_truncation()
     if fused:
-        floor = thresholds(logits.float().contiguous(), top_k, top_p, use_top_k, use_top_p,
-                           temperature.float().contiguous(), min_p.float().contiguous() if use_min_p else None)
-        return sample_tokens(logits.float().contiguous(), counters_for(logits.shape[0], logits.device),
-                             temperature.float().contiguous(), seeds.long().contiguous(), steps.long().contiguous(),
-                             floor=floor)
+        logits, temperature = logits.float().contiguous(), temperature.float().contiguous()
+        floor = thresholds(logits, top_k, top_p, use_top_k, use_top_p, temperature,
+                           min_p.float().contiguous() if use_min_p else None)
+        return sample_tokens(logits, counters_for(logits.shape[0], logits.device), temperature,
+                             seeds.long().contiguous(), steps.long().contiguous(), floor=floor)
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     if use_top_k or use_top_p:

@@ -12,11 +12,13 @@ next four (count or softmax mass per digit value), and picks the digit holding t
   largest logit;
 - top-p (mass): the lowest digit with a token whose larger tokens hold less than top_p of the mass; the
   threshold is the smallest logit kept by "drop a token once the tokens ranked above it reach top_p".
-Top-p under top-k counts only the tokens top-k keeps. Tokens equal to the threshold all stay (bf16 logits
+Top-p under top-k counts only the tokens top-k keeps: where those are few (at most SORT_MAX, ties included),
+they are gathered and sorted in one program instead, and top-p takes its definition on them directly, in one
+scan and one barrier where the passes take eight of each. Tokens equal to the threshold all stay (bf16 logits
 tie often), as engine.sampler.sorted_top_k_top_p also keeps them. Given the rows' temperatures, the launch
 divides each token by its row's as it reads it, and given min-p it raises the threshold to the row's largest
 + log(min_p) at the end: the sampler's draw kernel then drops what lies below it as it draws, and a truncated
-draw is three launches where the torch code took some twenty (Z79). Nothing here waits for the host, so a graph
+draw is three kernels where the torch code took some fifteen (Z79). Nothing here waits for the host, so a graph
 captures it.
 
 One launch does every pass of both rules. A row is split among G programs, all resident at once (the grid
