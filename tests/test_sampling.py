@@ -267,11 +267,10 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
 
 
 def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
-    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit, or sorts
-    what a top-k of at most SORT_MAX tokens keeps; the tokens at or above it are those the sorted definition
-    keeps, for top-k alone, top-p alone, both, neither, a k beyond the row, negative and -inf logits, ties at
-    the threshold (all kept), a row of one value, a row with one finite token, and a top-k whose ties take it
-    past SORT_MAX (rows of whole numbers: k 1000 keeps more than 1024)."""
+    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit; the tokens
+    at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
+    beyond the row, negative and -inf logits, ties at the threshold (all kept), a row of one value, a row
+    with one finite token, and rows of whole numbers, where top-k keeps many ties and top-p cuts through one."""
     from engine.sampler import sorted_top_k_top_p
     from kernels.truncation import thresholds
 
@@ -283,7 +282,7 @@ def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
     logits[7] = 0.25
     logits[8] = float("-inf")
     logits[8, 4321] = -3.0
-    # Whole numbers: top-k 60 keeps every token tied with the 60th (about a hundred), and top-p cuts a tie.
+    # Whole numbers: top-k 60 keeps every token tied with the 60th (about 190), and top-p cuts a tie.
     logits = torch.cat([logits, (torch.randn(2, vocab, generator=g) * 2).round()])
     params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
               SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_k=vocab + 10, top_p=0.99),
