@@ -28,6 +28,11 @@ barrier is the program's own. From the second pass on, each program packs the to
 and the next pass reads only those: after two digits few tokens share the threshold's, so a batch's later
 passes cost little.
 
+Top-p after a top-k of at most SORT_MAX tokens needs no passes: each program gathers its tokens at or above
+the top-k threshold into the row's SORT_MAX slots (a counter of the row's hands out places), and after one
+barrier the row's first program sorts them and applies top-p's definition to them. Where ties at the threshold
+leave more than SORT_MAX tokens, the passes run as before. The two give the same thresholds to the bit (Z83).
+
 On an H100 (docs/benchmarks.md, Z72-Z76) a launch per pass, as the first forms had, spent 8.5 us a pass on one
 row and lost to the sort at 64 rows; this form takes 74 us for top-k and top-p on one 150k row (the sort 133)
 and 688 us on 64 rows (the sort 1,459).
@@ -52,6 +57,11 @@ SMALL_CHUNK = 512
 NUM_WARPS = 4
 BITS = 4  # a pass fixes 4 bits of the key: eight passes, each comparing a token with 16 digit values
 PASSES = 32 // BITS
+# Top-p after a top-k of at most this many tokens (ties included) sorts them in one program instead of
+# selecting digit by digit: one scan and one barrier where the passes took eight of each (0: never). On an
+# H100 (Z84) top-k 50 or 200 with top-p took 52 us against 85 for one row and 329 against 636 for 64; with
+# 1,024 slots the sort itself cost more than the passes it saved (Z83).
+SORT_MAX = 256
 
 
 def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool = True,
@@ -93,17 +103,19 @@ def thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     span = triton.cdiv(chunks, groups)
     groups = triton.cdiv(chunks, span)  # no program without a chunk
     partial = torch.empty(2, rows, groups, 1 << BITS, dtype=torch.float32, device=logits.device)
-    arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    counters = torch.zeros(2, rows, dtype=torch.int32, device=logits.device)  # barrier arrivals; survivors
     scratch = torch.empty(rows, groups * span * chunk, dtype=torch.float32, device=logits.device)
+    sort_path = use_top_k and use_top_p and SORT_MAX > 0
+    survivors = torch.empty(rows, SORT_MAX if sort_path else 1, dtype=torch.float32, device=logits.device)
     largest = logits.amax(dim=-1).contiguous() if use_top_p or use_min_p else keep
     opts = dict(num_warps=NUM_WARPS) if logits.is_cuda else {}
     _thresholds[(rows, groups)](
         logits, logits.stride(0), vocab, top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
         keep if temperature is None else temperature.contiguous(), keep if min_p is None else min_p.contiguous(),
-        largest, partial, arrived, scratch, keep, span,
+        largest, partial, counters, counters[1], survivors, scratch, keep, span,
         USE_K=use_top_k, USE_P=use_top_p, SCALE=temperature is not None, USE_MIN_P=use_min_p,
         EXACT=logits.is_cuda, CHUNK=chunk, BITS=BITS, PASSES=PASSES, BLOCK_G=triton.next_power_of_2(groups),
-        **opts)
+        SORT_MAX=SORT_MAX, **opts)
     return keep
 
 
@@ -119,9 +131,10 @@ def programs_per_sm(device: torch.device, use_top_k: bool, use_top_p: bool, chun
     try:
         f = torch.empty(1, dtype=torch.float32, device=device)
         i = torch.empty(1, dtype=torch.int32, device=device)
-        kernel = _thresholds.warmup(f, 2, 2, i, f, f, f, f, f, i, f, f, 2, USE_K=use_top_k, USE_P=use_top_p,
+        kernel = _thresholds.warmup(f, 2, 2, i, f, f, f, f, f, i, i, f, f, f, 2, USE_K=use_top_k, USE_P=use_top_p,
                                     SCALE=scale, USE_MIN_P=use_min_p, EXACT=True, CHUNK=chunk, BITS=BITS,
-                                    PASSES=PASSES, BLOCK_G=block_g, num_warps=NUM_WARPS, grid=(1,))
+                                    PASSES=PASSES, BLOCK_G=block_g, SORT_MAX=SORT_MAX, num_warps=NUM_WARPS,
+                                    grid=(1,))
         kernel._init_handles()
         props = torch.cuda.get_device_properties(device)
         regs = getattr(props, "regs_per_multiprocessor", 65536)
@@ -207,6 +220,37 @@ if triton is not None:
         return w, count
 
     @triton.jit
+    def _gather(src, length, floor, temp, OUT, COUNT, SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                SORT_MAX: tl.constexpr):
+        """The tokens at src (divided by temp with SCALE) whose key is >= floor, into the row's SORT_MAX slots
+        at OUT, in places a counter of the row's hands out (those past SORT_MAX are counted, not kept)."""
+        lanes = tl.arange(0, CHUNK)
+        x = tl.load(src + lanes, mask=lanes < length, other=0.0)
+        for start in range(0, length, CHUNK):
+            t = start + lanes
+            x_next = tl.load(src + t + CHUNK, mask=t + CHUNK < length, other=0.0)
+            if SCALE:
+                x = tl.math.div_rn(x, temp)
+            hit = (t < length) & (_order_key(x) >= floor)
+            n = tl.sum(hit.to(tl.int32), axis=0)
+            if n > 0:
+                at = tl.atomic_add(COUNT, n, sem="relaxed") + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                tl.store(OUT + at, x, mask=hit & (at < SORT_MAX))
+            x = x_next
+
+    @triton.jit
+    def _sorted_top_p(BUF, count, largest, top_p, SORT_MAX: tl.constexpr):
+        """The smallest of the `count` values at BUF that top-p keeps, by the sorted definition: a token
+        goes once the tokens ranked above it hold top_p of their mass; equal values all stay or all go."""
+        i = tl.arange(0, SORT_MAX)
+        v = tl.load(BUF + i, mask=i < count, other=float("-inf"), cache_modifier=".cg")
+        v = tl.sort(v, descending=True)
+        mass = tl.where(i < count, tl.exp(v - largest), 0.0)
+        above = tl.cumsum(mass, axis=0) - mass
+        kept = (i < count) & ((above < top_p * tl.sum(mass, axis=0)) | (i == 0))
+        return tl.min(tl.where(kept, v, float("inf")), axis=0)
+
+    @triton.jit
     def _select(X, stride_x, V, row, g, groups, span, largest, temp, floor, target, PARTIAL, ARRIVED, SCRATCH,
                 phase0, MASS: tl.constexpr, SCALE: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr,
                 PASSES: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -254,12 +298,13 @@ if triton is not None:
         return prefix
 
     @triton.jit
-    def _thresholds(X, stride_x, V, TOP_K, TOP_P, TEMP, MIN_P, LARGEST, PARTIAL, ARRIVED, SCRATCH, KEEP, span,
-                    USE_K: tl.constexpr, USE_P: tl.constexpr, SCALE: tl.constexpr, USE_MIN_P: tl.constexpr,
-                    EXACT: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+    def _thresholds(X, stride_x, V, TOP_K, TOP_P, TEMP, MIN_P, LARGEST, PARTIAL, ARRIVED, COUNT, SURVIVORS,
+                    SCRATCH, KEEP, span, USE_K: tl.constexpr, USE_P: tl.constexpr, SCALE: tl.constexpr,
+                    USE_MIN_P: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr,
+                    PASSES: tl.constexpr, BLOCK_G: tl.constexpr, SORT_MAX: tl.constexpr):
         """Program (row, g): chunks g*span .. of its row, through every pass of top-k, then of top-p; the
-        min-p floor last."""
+        min-p floor last. A row whose top-k keeps at most SORT_MAX tokens takes top-p over those by sorting
+        them: each program gathers its part of them, and after one barrier the row's first program sorts."""
         row = tl.program_id(0)
         g = tl.program_id(1)
         groups = tl.num_programs(1)
@@ -284,10 +329,26 @@ if triton is not None:
             keep = tl.where(k > 0, _key_to_float(key), keep)
         if USE_P:
             p = tl.load(TOP_P + row)
-            phase0 = PASSES if USE_K else 0
-            key = _select(X, stride_x, V, row, g, groups, span, largest, temp, floor, p, PARTIAL,
-                          ARRIVED, SCRATCH, phase0, True, SCALE, CHUNK, BITS, PASSES, BLOCK_G)
-            keep = tl.where(p < 1.0, tl.maximum(keep, _key_to_float(key)), keep)
+            phase0 = tl.full([], PASSES if USE_K else 0, tl.int32)
+            passes = tl.full([], 1, tl.int32)
+            if USE_K and SORT_MAX > 0:
+                if (k > 0) & (k <= SORT_MAX) & (p < 1.0):  # the same for all of a row's programs
+                    first = g * span * CHUNK
+                    mine = tl.minimum((g + 1) * span * CHUNK, V) - first
+                    _gather(X + row.to(tl.int64) * stride_x + first, mine, floor, temp, SURVIVORS + row * SORT_MAX,
+                            COUNT + row, SCALE, CHUNK, SORT_MAX)
+                    _row_barrier(ARRIVED, row, (PASSES + 1) * groups)
+                    phase0 += 1
+                    count = tl.atomic_add(COUNT + row, 0, sem="acquire")
+                    if count <= SORT_MAX:
+                        passes = 0
+                        if g == 0:
+                            keep = tl.maximum(keep, _sorted_top_p(SURVIVORS + row * SORT_MAX, count, largest, p,
+                                                                  SORT_MAX))
+            if passes:
+                key = _select(X, stride_x, V, row, g, groups, span, largest, temp, floor, p, PARTIAL,
+                              ARRIVED, SCRATCH, phase0, True, SCALE, CHUNK, BITS, PASSES, BLOCK_G)
+                keep = tl.where(p < 1.0, tl.maximum(keep, _key_to_float(key)), keep)
         if USE_MIN_P:
             # engine.sampler's floor, term for term: the largest + log(min_p) (min_p 0: -inf, nothing dropped).
             # The largest token survives top-k and top-p, so the largest after them is this one.

@@ -267,12 +267,14 @@ def test_top_k_and_top_p_keep_what_the_sorted_definition_keeps():
 
 
 def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
-    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit; the tokens
-    at or above it are those the sorted definition keeps, for top-k alone, top-p alone, both, neither, a k
-    beyond the row, negative and -inf logits, ties at the threshold (all kept), a row of one value, a row
-    with one finite token, and rows of whole numbers, where top-k keeps many ties and top-p cuts through one."""
+    """kernels/truncation.py (the GPU's top-k and top-p) selects each row's threshold digit by digit, or sorts
+    what a top-k of at most SORT_MAX tokens keeps; the tokens at or above it are those the sorted definition
+    keeps, for top-k alone, top-p alone, both, neither, a k beyond the row, negative and -inf logits, ties at
+    the threshold (all kept), a row of one value, a row with one finite token, and rows of whole numbers: a
+    top-k under SORT_MAX (sorted), one whose ties take it past SORT_MAX (selected after the gather), and one
+    over it."""
     from engine.sampler import sorted_top_k_top_p
-    from kernels.truncation import thresholds
+    from kernels.truncation import SORT_MAX, thresholds
 
     g = torch.Generator().manual_seed(5)
     vocab = 5000  # loads of 512 tokens, the last one partly past the row
@@ -282,15 +284,20 @@ def test_the_sort_free_thresholds_keep_what_the_sorted_definition_keeps():
     logits[7] = 0.25
     logits[8] = float("-inf")
     logits[8, 4321] = -3.0
-    # Whole numbers: top-k 60 keeps every token tied with the 60th (about 190), and top-p cuts a tie.
-    logits = torch.cat([logits, (torch.randn(2, vocab, generator=g) * 2).round()])
+    # Whole numbers: top-k 60 keeps every token tied with the 60th (about a hundred), and top-p cuts a tie.
+    # Two more rows of distinct values whose top-k is sorted (at most SORT_MAX), then the whole numbers.
+    logits = torch.cat([logits, torch.randn(2, vocab, generator=g) * 3, (torch.randn(3, vocab, generator=g) * 2).round()])
     params = [SamplingParams(top_k=7), SamplingParams(top_p=0.5), SamplingParams(top_k=300, top_p=0.9),
               SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_k=vocab + 10, top_p=0.99),
               SamplingParams(top_p=0.05), SamplingParams(top_k=3, top_p=0.5), SamplingParams(top_k=2, top_p=0.3),
-              SamplingParams(top_k=60, top_p=0.8), SamplingParams(top_k=1000, top_p=0.95)]
+              SamplingParams(top_k=200, top_p=0.9), SamplingParams(top_k=40, top_p=0.6),
+              SamplingParams(top_k=60, top_p=0.8), SamplingParams(top_k=SORT_MAX - 6, top_p=0.95),
+              SamplingParams(top_k=4 * SORT_MAX, top_p=0.95)]
+    ties = [int((logits[r] >= logits[r].sort(descending=True).values[params[r].top_k - 1]).sum()) for r in (11, 12)]
+    assert ties[0] <= SORT_MAX < ties[1], ties
     b = SamplingBatch.build(reqs(params), vocab, "cpu")
     keep = thresholds(logits, b.top_k, b.top_p)
-    for row, p in enumerate(params[:9]):  # (rows of distinct values at the cut: k tokens are the top-k)
+    for row, p in enumerate(params[:11]):  # (rows of distinct values at the cut: k tokens are the top-k)
         ranked = logits[row].sort(descending=True).values
         k = min(p.top_k or vocab, vocab)
         probs = ranked[:k].softmax(-1)
