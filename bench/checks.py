@@ -362,9 +362,11 @@ def variant_rows(engine: Engine, model, label: str, t_default: float, rows: list
 
 def sampled_rows(engine: Engine, label: str, t_greedy: float, rows: list, ctx: int, steps: int) -> None:
     """Batch-1 steps that sample, against the greedy step: a temperature alone is drawn inside the decode
-    graph; top-p takes the sampler after it."""
+    graph; top-p first selects each row's threshold (kernels/truncation.py), and top-p under a small top-k
+    sorts what top-k keeps instead."""
     for name, fields in (("temperature 1", dict(temperature=1.0)),
-                         ("temperature 0.8, top-p 0.95", dict(temperature=0.8, top_p=0.95))):
+                         ("temperature 0.8, top-p 0.95", dict(temperature=0.8, top_p=0.95)),
+                         ("temperature 0.8, top-k 50, top-p 0.95", dict(temperature=0.8, top_k=50, top_p=0.95))):
         t = decode_step_time(engine, 1, ctx, steps, sampling=fields)
         rows.append((f"{label} batch-1 decode, {ctx} ctx, sampled at {name}: step ms (greedy ms)", t * 1e3,
                      t_greedy * 1e3, t_greedy / t, "(for comparison)"))
