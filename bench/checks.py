@@ -3,6 +3,7 @@ ones, the device draw against the sampler's formula, and each batch-1 variant ag
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -121,15 +122,37 @@ def record_rows(engine: Engine) -> tuple[dict, dict]:
     return rows, order
 
 
+class _OneUlp:
+    """The model with one value of one token's embedding moved by one ulp of its dtype, for the run's length:
+    the smallest change to the model's input there is. How far that moves the logits is the floor under any
+    comparison of two backends that round differently (docs/benchmarks.md, Z82)."""
+
+    def __init__(self, model, token: int):
+        self.row, self.old = model.embed_tokens.weight[token], None
+
+    def __enter__(self):
+        self.old = self.row[0].clone()
+        moved = self.old.clone()
+        bits = moved.view(torch.int16) if moved.element_size() == 2 else moved.view(torch.int32)
+        bits += 1  # the next representable magnitude
+        self.row[0] = moved
+
+    def __exit__(self, *exc):
+        self.row[0] = self.old
+
+
 def correctness(model, backends, device, dtype) -> dict:
     """Each backend's logits against torch's on the same mixed batches: decodes plus new prefill chunks.
     A row is compared only where both runs fed the request the same tokens (greedy choices can differ at
-    near-ties, after which the two runs compute different sequences)."""
+    near-ties, after which the two runs compute different sequences). "torch-ulp" is the torch backend again
+    with one input value one ulp off (_OneUlp): what this model does with no backend difference at all."""
     vocab = model.config.vocab_size
     runs, outs = {}, {}
-    names = ["torch"] + backends + [b + "-eager" for b in backends if b == "triton"]
+    names = ["torch", "torch-ulp"] + backends + [b + "-eager" for b in backends if b == "triton"]
     if device.type == "cuda":
         names.append("torch-fp32")  # the yardstick for every bf16 backend
+    prompts = [random_prompt(200 + 50 * i, vocab, i) for i in range(4)]
+    prompts += [random_prompt(300 + 70 * i, vocab, i) for i in range(4, 7)]
     for name in names:
         m = copy.deepcopy(model).float() if name == "torch-fp32" else model
         e = engine_for(m, name.split("-")[0], 16384, device, torch.float32 if name == "torch-fp32" else dtype,
@@ -137,15 +160,16 @@ def correctness(model, backends, device, dtype) -> dict:
         rows, order = record_rows(e)
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         reqs = []
-        for i in range(4):
-            reqs.append(e.add_request(random_prompt(200 + 50 * i, vocab, i), params))
-            order[reqs[-1].rid] = i
-        e.step()  # prefill of the first four
-        for i in range(4, 7):  # new prompts join running decodes: mixed batches
-            reqs.append(e.add_request(random_prompt(300 + 70 * i, vocab, i), params))
-            order[reqs[-1].rid] = i
-        while e.has_work():
-            e.step()
+        with _OneUlp(m, prompts[0][0]) if name == "torch-ulp" else contextlib.nullcontext():
+            for i in range(4):
+                reqs.append(e.add_request(prompts[i], params))
+                order[reqs[-1].rid] = i
+            e.step()  # prefill of the first four
+            for i in range(4, 7):  # new prompts join running decodes: mixed batches
+                reqs.append(e.add_request(prompts[i], params))
+                order[reqs[-1].rid] = i
+            while e.has_work():
+                e.step()
         e.check()
         runs[name], outs[name] = rows, [r.output_ids for r in reqs]
         e.runner.sample = None  # break the engine <-> recorder cycle so its memory goes now
