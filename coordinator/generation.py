@@ -3,10 +3,15 @@
 Detokenization happens here, incrementally, so stop strings are checked here too: when one matches, the
 request is aborted on its worker and the stream ends with finish_reason "stop". Text that could still turn
 out to be the start of a stop string is held back until it cannot.
+
+An HTTP request with several choices (a batch of prompts, or n samples) is one Generation per choice, each
+a request of its own on the workers; `collect_all` and `interleave` read them together, and whichever way the
+HTTP request ends, every one of them is freed on its workers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +51,7 @@ class Generation:
         self.start = time.monotonic()
         self._last = None
         self._sent = 0
+        self._closed = False
 
     @property
     def rid(self) -> str | None:
@@ -74,12 +80,22 @@ class Generation:
                 if piece.text or piece.token_ids:
                     yield piece
         finally:
-            if clean:
-                self.dispatcher.finish(t.rid)
-            else:
-                self.dispatcher.abort(t.rid)
-                if self.finish_reason is None:
-                    self._outcome("abort")
+            if not self._closed:
+                self._closed = True
+                if clean:
+                    self.dispatcher.finish(t.rid)
+                else:
+                    self.dispatcher.abort(t.rid)
+                    if self.finish_reason is None:
+                        self._outcome("abort")
+
+    def cancel(self) -> None:
+        """Free a generation whose stream is not being read (never was, or was cut off) on its workers."""
+        if self.tracked is not None and not self._closed:
+            self._closed = True
+            self.dispatcher.abort(self.tracked.rid)
+            if self.finish_reason is None:
+                self._outcome("abort")
 
     def _absorb(self, delta) -> Piece:
         now = time.monotonic()
@@ -127,3 +143,60 @@ class Generation:
     @property
     def text(self) -> str:
         return self.detok.text
+
+
+async def collect_all(gens: list[Generation]) -> list[list[Piece]]:
+    """Every generation's pieces, read concurrently. The first failure (WorkerFailed) or a cancellation ends
+    all of them."""
+
+    async def collect(gen: Generation) -> list[Piece]:
+        return [p async for p in gen.pieces()]
+
+    tasks = [asyncio.create_task(collect(g)) for g in gens]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _end(tasks, gens)
+
+
+async def interleave(gens: list[Generation]):
+    """(choice index, piece) from every generation as each comes; a WorkerFailed from any ends all of them."""
+    if len(gens) == 1:  # no task and queue hop per token for the common case
+        stream = gens[0].pieces()
+        try:
+            async for piece in stream:
+                yield 0, piece
+        finally:
+            await stream.aclose()  # now, not when the collector finds it
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                queue.put_nowait((i, piece, None))
+            queue.put_nowait((i, None, None))
+        except WorkerFailed as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, piece, failed = await queue.get()
+            if failed is not None:
+                raise failed
+            if piece is None:
+                left -= 1
+            else:
+                yield i, piece
+    finally:
+        await _end(tasks, gens)
+
+
+async def _end(tasks: list[asyncio.Task], gens: list[Generation]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:  # a task cancelled before it ran never opened its stream, so never freed its request
+        g.cancel()

@@ -33,17 +33,24 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Choices in one request: prompts times n. Each is a request of its own on the workers.
+MAX_CHOICES = 1024
+
+
 @dataclass
 class ParsedRequest:
-    prompt: str | None  # text to tokenize (completions), or None
-    prompt_ids: list[int] | None
-    messages: list[dict] | None
-    params: dict[str, Any]  # SamplingParams fields
+    prompts: list[str | list[int]] | None  # texts to tokenize or token ids (completions, /generate)
+    messages: list[dict] | None  # (chat)
+    params: dict[str, Any]  # SamplingParams fields, n included
     max_tokens_given: bool
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-k logprobs asked for (0: only the chosen token)
     model: str | None
+
+    @property
+    def n(self) -> int:
+        return self.params.get("n", 1)
 
 
 def _need(cond: bool, param: str, message: str) -> None:
@@ -91,21 +98,34 @@ def _max_tokens(body: dict, *names: str) -> tuple[int | None, bool]:
     return None, False
 
 
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's four shapes of a completions prompt: a string, token ids, or a batch of either."""
+    shapes = "prompt must be a string, a list of token ids, or a non-empty list of either"
+    if isinstance(prompt, str):
+        return [prompt]
+    _need(isinstance(prompt, list), "prompt", shapes)
+    if all(_is_int(t) for t in prompt):  # ([] too: the server says the prompt is empty)
+        return [prompt]
+    _need(all(isinstance(x, str) for x in prompt)
+          or all(isinstance(x, list) and all(_is_int(t) for t in x) for x in prompt), "prompt", shapes)
+    return list(prompt)
+
+
+def _count_choices(prompts: int, params: dict) -> None:
+    n = params.get("n", 1)
+    _need(prompts * n <= MAX_CHOICES, "n", f"at most {MAX_CHOICES} choices a request (prompts x n), "
+                                           f"got {prompts} x {n}")
+
+
 def parse_completion(body: dict) -> ParsedRequest:
     _need(isinstance(body, dict), "body", "the request body must be a JSON object")
-    prompt = body.get("prompt")
-    prompt_ids = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        _need(all(_is_int(t) for t in prompt), "prompt", "prompt must be a string or a list of token ids")
-        prompt_ids, prompt = prompt, None
-    else:
-        _need(isinstance(prompt, str), "prompt", "prompt must be a string or a list of token ids")
+    prompts = _prompts(body.get("prompt"))
     for unsupported in ("suffix",):
         _need(body.get(unsupported) is None, unsupported, f"{unsupported} is not supported")
     _need(not body.get("echo"), "echo", "echo is not supported")
-    _need(body.get("best_of") in (None, 1), "best_of", "best_of must be 1")
+    best_of = body.get("best_of")
+    _need(best_of is None or best_of == (1 if body.get("n") is None else body["n"]), "best_of",
+          "best_of must equal n (drawing more samples than are returned is not supported)")
     logprobs = body.get("logprobs")
     _need(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= 20), "logprobs",
           "logprobs must be an integer in [0, 20]")
@@ -114,8 +134,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     if logprobs is not None:
         params["logprobs"] = logprobs
     _common(body, params)
+    _count_choices(len(prompts), params)
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompt, prompt_ids, None, params, True, stream, usage, logprobs, body.get("model"))
+    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"))
 
 
 def parse_chat(body: dict) -> ParsedRequest:
@@ -147,8 +168,9 @@ def parse_chat(body: dict) -> ParsedRequest:
     if want:
         params["logprobs"] = top or 0
     _common(body, params)
+    _count_choices(1, params)
     stream, usage = _stream_opts(body)
-    return ParsedRequest(None, None, clean, params, given, stream, usage, (top or 0) if want else None,
+    return ParsedRequest(None, clean, params, given, stream, usage, (top or 0) if want else None,
                          body.get("model"))
 
 
@@ -172,6 +194,7 @@ def parse_generate(body: dict) -> ParsedRequest:
         SamplingParams.from_dict(params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), "sampling_params") from None
+    _need(params.get("n", 1) == 1, "sampling_params", "n must be 1 here; /v1/completions serves n samples")
     stream = body.get("stream", False)
     _need(isinstance(stream, bool), "stream", "stream must be a boolean")
-    return ParsedRequest(text, ids, None, params, True, stream, False, None, None)
+    return ParsedRequest([text if ids is None else ids], None, params, True, stream, False, None, None)

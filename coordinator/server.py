@@ -18,11 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.dispatcher import Dispatcher, PlacementError
-from coordinator.generation import Generation, WorkerFailed
+from coordinator.generation import Generation, WorkerFailed, collect_all, interleave
 from coordinator.metrics import Metrics
 from coordinator.openai_api import APIError, ParsedRequest, parse_chat, parse_completion, parse_generate
 from coordinator.registry import make_registry
 from engine.env import Env
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,34 +121,47 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             raise APIError(404, f"the model {p.model!r} does not exist; this server serves {co.model_name!r}",
                            "model", code="model_not_found")
 
-    def prompt_ids(p: ParsedRequest) -> list[int]:
+    def encode(p: ParsedRequest, prompt) -> list[int]:
         if p.messages is not None:
             try:
                 ids = co.tokenizer.encode_chat(p.messages)
             except Exception as e:  # a template that raises on these messages
                 raise APIError(400, f"chat template: {e}", "messages") from None
-        elif p.prompt_ids is not None:
-            ids = list(p.prompt_ids)
+        elif isinstance(prompt, list):
+            ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < co.tokenizer.vocab_size]
             if bad:
                 raise APIError(400, f"token ids out of the vocabulary: {bad[:3]}", "prompt")
         else:
-            ids = co.tokenizer.encode(p.prompt)
+            ids = co.tokenizer.encode(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
-        ctx = co.context_length
-        if not p.max_tokens_given or p.params.get("max_tokens") is None:
-            p.params["max_tokens"] = max(1, ctx - len(ids))
-        want = len(ids) + p.params["max_tokens"]
-        if len(ids) >= ctx or want > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{want} tokens ({len(ids)} in the prompt, {p.params['max_tokens']} for the "
-                                f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
-                           code="context_length_exceeded")
         return ids
 
-    async def start(p: ParsedRequest) -> Generation:
-        gen = Generation(co.dispatcher, co.tokenizer, prompt_ids(p), p.params, co.metrics)
+    def choices(p: ParsedRequest) -> list[tuple[list[int], dict]]:
+        """(prompt ids, sampling params) of each choice: prompt by prompt, n samples each (choice index
+        prompt * n + sample, as OpenAI numbers them)."""
+        ctx = co.context_length
+        out = []
+        for prompt in p.prompts if p.messages is None else [None]:
+            ids = encode(p, prompt)
+            params = dict(p.params)
+            if not p.max_tokens_given or params.get("max_tokens") is None:
+                params["max_tokens"] = max(1, ctx - len(ids))
+            want = len(ids) + params["max_tokens"]
+            if len(ids) >= ctx or want > ctx:
+                raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                    f"{want} tokens ({len(ids)} in the prompt, {params['max_tokens']} for the "
+                                    f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
+                               code="context_length_exceeded")
+            sp = SamplingParams.from_dict(params)
+            for j in range(sp.n):
+                seed = sp.sample(j).seed
+                out.append((ids, {**params, "n": 1} | ({} if seed is None else {"seed": seed})))
+        return out
+
+    async def start_one(ids: list[int], params: dict) -> Generation:
+        gen = Generation(co.dispatcher, co.tokenizer, ids, params, co.metrics)
         try:
             await gen.start_on_workers()
         except PlacementError as e:
@@ -156,6 +170,24 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                 raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
             raise APIError(e.status, str(e)) from None
         return gen
+
+    async def start(p: ParsedRequest) -> list[Generation]:
+        """Every choice placed on workers, or none: if one cannot be, those that were are freed."""
+        jobs = choices(p)
+        if len(jobs) == 1:
+            return [await start_one(*jobs[0])]
+        tasks = [asyncio.create_task(start_one(ids, params)) for ids, params in jobs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in tasks:
+                if not t.cancelled() and t.exception() is None:
+                    t.result().cancel()
+            raise
+        return [t.result() for t in tasks]
 
     async def until_disconnect(request: Request, task: asyncio.Task):
         """Run a non-streaming generation, cancelling it if the client goes away."""
@@ -166,42 +198,43 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                 break
         return await task
 
-    async def collect(gen: Generation):
-        pieces = [p async for p in gen.pieces()]
-        return pieces
-
-    def usage(gen: Generation) -> dict:
-        n_prompt, n_out = len(gen.prompt_ids), len(gen.output_ids)
+    def usage(gens: list[Generation], n: int = 1) -> dict:
+        # A prompt's tokens count once however many samples (n) it has: its samples are consecutive choices.
+        prompts = gens[::n]
+        n_prompt = sum(len(g.prompt_ids) for g in prompts)
+        n_out = sum(len(g.output_ids) for g in gens)
+        cached = sum(max(g.cached_tokens for g in gens[i:i + n]) for i in range(0, len(gens), n))
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def run(request: Request, p: ParsedRequest, render_full, render_chunk, render_first=None):
-        gen = await start(p)
-        rid = f"{'chatcmpl' if p.messages is not None else 'cmpl'}-{gen.rid}"
+        gens = await start(p)
+        rid = f"{'chatcmpl' if p.messages is not None else 'cmpl'}-{gens[0].rid}"
         created = int(time.time())
-        # Which worker streams this request: for operators, and for tests that kill workers.
-        headers = {"X-PDServe-Worker": gen.tracked.decode_id or ""}
+        # Which workers stream this request: for operators, and for tests that kill workers.
+        headers = {"X-PDServe-Worker": ",".join(dict.fromkeys(g.tracked.decode_id or "" for g in gens))}
         if not p.stream:
             try:
-                pieces = await until_disconnect(request, asyncio.create_task(collect(gen)))
+                pieces = await until_disconnect(request, asyncio.create_task(collect_all(gens)))
             except WorkerFailed as e:
                 raise APIError(503, f"the request failed on a worker: {e}", headers={"Retry-After": "1"}) from None
             except asyncio.CancelledError:
                 return Response(status_code=499)
-            return JSONResponse(render_full(rid, created, gen, pieces), headers=headers)
+            return JSONResponse(render_full(rid, created, gens, pieces), headers=headers)
 
         async def events():
             try:
                 if render_first is not None:
-                    yield sse(render_first(rid, created))
-                async for piece in gen.pieces():
-                    yield sse(render_chunk(rid, created, piece))
+                    for i in range(len(gens)):
+                        yield sse(render_first(rid, created, i))
+                async for i, piece in interleave(gens):
+                    yield sse(render_chunk(rid, created, i, piece))
                 if p.include_usage:
                     yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
-                               "choices": [], "usage": usage(gen)})
+                               "choices": [], "usage": usage(gens, p.n)})
             except WorkerFailed as e:
                 yield sse(APIError(503, f"the request failed on a worker: {e}").body())
             yield "data: [DONE]\n\n"
@@ -222,17 +255,20 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         p = parse_completion(await read_json(request))
         check_model(p)
 
-        def full(rid, created, gen, pieces):
-            lps = [x for piece in pieces for x in piece.logprobs]
-            return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
-                    "choices": [{"index": 0, "text": "".join(x.text for x in pieces),
-                                 "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
-                                 "finish_reason": gen.finish_reason, "stop_reason": pieces[-1].stop_reason}],
-                    "usage": usage(gen)}
+        def full(rid, created, gens, pieces):
+            def choice(i, gen, pieces):
+                lps = [x for piece in pieces for x in piece.logprobs]
+                return {"index": i, "text": "".join(x.text for x in pieces),
+                        "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
+                        "finish_reason": gen.finish_reason, "stop_reason": pieces[-1].stop_reason}
 
-        def chunk(rid, created, piece):
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
-                    "choices": [{"index": 0, "text": piece.text,
+                    "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
+                    "usage": usage(gens, p.n)}
+
+        def chunk(rid, created, i, piece):
+            return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
+                    "choices": [{"index": i, "text": piece.text,
                                  "logprobs": completion_logprobs(piece.logprobs) if p.logprobs is not None else None,
                                  "finish_reason": piece.finish_reason}]}
 
@@ -250,22 +286,25 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         p = parse_chat(await read_json(request))
         check_model(p)
 
-        def full(rid, created, gen, pieces):
-            lps = [x for piece in pieces for x in piece.logprobs]
+        def full(rid, created, gens, pieces):
+            def choice(i, gen, pieces):
+                lps = [x for piece in pieces for x in piece.logprobs]
+                return {"index": i, "message": {"role": "assistant", "content": "".join(x.text for x in pieces)},
+                        "logprobs": chat_logprobs(lps) if p.logprobs is not None else None,
+                        "finish_reason": gen.finish_reason}
+
             return {"id": rid, "object": "chat.completion", "created": created, "model": co.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(x.text for x in pieces)},
-                                 "logprobs": chat_logprobs(lps) if p.logprobs is not None else None,
-                                 "finish_reason": gen.finish_reason}],
-                    "usage": usage(gen)}
+                    "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
+                    "usage": usage(gens, p.n)}
 
-        def first(rid, created):
+        def first(rid, created, i):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
-        def chunk(rid, created, piece):
+        def chunk(rid, created, i, piece):
             delta = {"content": piece.text} if piece.text else {}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
-                    "choices": [{"index": 0, "delta": delta,
+                    "choices": [{"index": i, "delta": delta,
                                  "logprobs": chat_logprobs(piece.logprobs) if p.logprobs is not None else None,
                                  "finish_reason": piece.finish_reason}]}
 
@@ -276,7 +315,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     async def generate(request: Request):
         check_auth(request)
         p = parse_generate(await read_json(request))
-        gen = await start(p)
+        gen, = await start(p)
 
         def meta(finish):
             return {"id": gen.rid, "prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
@@ -286,7 +325,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 
         if not p.stream:
             try:
-                pieces = await until_disconnect(request, asyncio.create_task(collect(gen)))
+                pieces, = await until_disconnect(request, asyncio.create_task(collect_all([gen])))
             except WorkerFailed as e:
                 raise APIError(503, f"the request failed on a worker: {e}") from None
             except asyncio.CancelledError:

@@ -147,6 +147,9 @@ class Engine:
             params = SamplingParams.from_dict(params)
         else:
             params.validate()
+        if params.n != 1:  # each sample is a request of its own: SamplingParams.sample(j)
+            raise ValueError(f"n must be 1 for one engine request, got {params.n}; LLM.generate and the "
+                             f"coordinator run n samples as n requests")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give prompt token ids")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.request import Logprob, Request
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -45,10 +46,13 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @classmethod
-    def from_request(cls, req: Request, prompt: str | None) -> "RequestOutput":
-        out = CompletionOutput(0, req.text, list(req.output_ids), req.finish_reason, req.stop_reason,
-                               list(req.logprobs) if req.params.logprobs is not None else None)
-        return cls(req.rid, prompt, list(req.prompt_ids), [out], req.cached_tokens)
+    def from_requests(cls, reqs: list[Request], prompt: str | None) -> "RequestOutput":
+        """One prompt's n samples (requests of their own, in sample order)."""
+        outs = [CompletionOutput(j, r.text, list(r.output_ids), r.finish_reason, r.stop_reason,
+                                 list(r.logprobs) if r.params.logprobs is not None else None)
+                for j, r in enumerate(reqs)]
+        first = reqs[0]
+        return cls(first.rid, prompt, list(first.prompt_ids), outs, max(r.cached_tokens for r in reqs))
 
 
 class GenerateError(ValueError):
@@ -112,17 +116,17 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params] * len(prompts)
-        reqs: list[Request | None] = []
+        reqs: list[list[Request] | None] = []
         errors: dict[int, str] = {}
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                reqs.append(self.engine.add_request(self._prompt_input(prompt), params))
+                reqs.append(self._add(self._prompt_input(prompt), params))
             except (ValueError, TypeError) as e:
                 errors[i] = str(e)
                 reqs.append(None)
         while self.engine.has_work():
             self.engine.step()
-        outputs = [None if r is None else RequestOutput.from_request(r, p if isinstance(p, str) else None)
+        outputs = [None if r is None else RequestOutput.from_requests(r, p if isinstance(p, str) else None)
                    for r, p in zip(reqs, prompts)]
         if errors:
             raise GenerateError(errors, outputs)
@@ -133,6 +137,21 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(m)} for m in convs]
         return self.generate(prompts, sampling_params)
+
+    def _add(self, prompt, params) -> list[Request]:
+        """The prompt's n samples as n requests."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        else:
+            params.validate()
+        if params.n == 1:
+            return [self.engine.add_request(prompt, params)]
+        if isinstance(prompt, str) and self.engine.tokenizer is not None:
+            prompt = self.engine.tokenizer.encode(prompt)  # once, not once per sample
+        # The samples differ only in their seeds: if the first is valid, all are.
+        return [self.engine.add_request(prompt, params.sample(j)) for j in range(params.n)]
 
     @staticmethod
     def _prompt_input(prompt):

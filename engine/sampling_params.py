@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 _INT64_MAX = 2**63 - 1
+MAX_N = 128  # samples of one prompt in one request (OpenAI's limit)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        need(is_int(self.n) and self.n == 1, "n", "must be 1 (several samples per request are not supported)")
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
              "max_tokens", "must be an integer >= 1")
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
@@ -85,6 +86,17 @@ class SamplingParams:
              "presence_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", "must be an integer in [0, 20]")
+
+    def sample(self, j: int) -> "SamplingParams":
+        """The params of the j-th of n samples, each of which runs as a request of its own (n=1). A seeded
+        sample j draws with seed + j (seed - j where that would leave the 64-bit range, so the n seeds stay
+        distinct): sample 0 is the same request with n=1, and the others differ from it."""
+        if not 0 <= j < self.n:
+            raise ValueError(f"sample {j} of {self.n}")
+        seed = self.seed
+        if seed is not None and j:
+            seed = seed + j if seed + j <= _INT64_MAX else seed - j
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

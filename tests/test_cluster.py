@@ -235,6 +235,35 @@ def test_64_concurrent_streams_complete_and_are_well_formed(cluster):
     assert_pools_clean(cluster)
 
 
+def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
+    """Choice i * n + j is sample j of prompt i: the same as that prompt alone with seed + j."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    prompts = [PROMPTS[3], PROMPTS[6]]
+    params = dict(model=MODEL, max_tokens=10, temperature=0.9, seed=41, extra_body={"ignore_eos": True})
+    both = client.completions.create(prompt=prompts, n=3, **params)
+    assert [c.index for c in both.choices] == list(range(6))
+    alone = {(i, j): client.completions.create(prompt=prompts[i], **dict(params, seed=41 + j)).choices[0].text
+             for i in range(2) for j in range(3)}
+    assert [c.text for c in both.choices] == [alone[i, j] for i in range(2) for j in range(3)]
+    assert len({c.text for c in both.choices[:3]}) > 1, "the samples of one prompt are drawn apart"
+    lengths = [client.completions.create(prompt=p, max_tokens=1, model=MODEL).usage.prompt_tokens for p in prompts]
+    assert both.usage.prompt_tokens == sum(lengths), "a prompt counts once, however many samples it has"
+    assert both.usage.completion_tokens == 6 * 10
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, temperature=0.9, seed=3)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, temperature=0.9,
+                                            seed=3, stream=True)
+    texts, finishes = ["", ""], [None, None]
+    for part in stream:
+        for c in part.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == [c.message.content for c in chat.choices]
+    assert finishes == [c.finish_reason for c in chat.choices]
+    assert_pools_clean(cluster)
+
+
 def test_openai_client_chat_and_completion(cluster):
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
@@ -265,7 +294,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 9, "n": 128}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi", [1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "max_tokens"),
@@ -320,6 +353,10 @@ def test_api_key_is_required(cluster):
 def test_client_disconnect_frees_pages_on_both_workers(cluster):
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400,
                                             "ignore_eos": True, "stream": True}),
+                       ("/v1/completions", {"model": MODEL, "prompt": [PROMPTS[5], PROMPTS[7]], "n": 2,
+                                            "max_tokens": 400, "ignore_eos": True, "stream": True}),
+                       ("/v1/completions", {"model": MODEL, "prompt": PROMPTS[8], "n": 3, "max_tokens": 400,
+                                            "ignore_eos": True}),
                        ("/v1/completions", {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 400,
                                             "ignore_eos": True})):
         with cluster.client(timeout=1.5) as h:

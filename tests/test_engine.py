@@ -159,6 +159,23 @@ def test_seeded_sampling_does_not_depend_on_batch_company(tiny_llama):
     assert other_seed.token_ids != alone
 
 
+def test_n_samples_are_requests_of_their_own_seeded_by_their_index(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096)
+    p = dict(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(n=3, seed=500, **p))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    for j, o in enumerate(out.outputs):
+        alone = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(seed=500 + j, **p))[0]
+        assert o.token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    greedy = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(n=2, temperature=0, max_tokens=8))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n must be 1 for one engine request"):
+        llm.engine.add_request([9, 8, 7], SamplingParams(n=2))
+    assert_pool_clean(llm.engine)
+
+
 def test_a_seeded_request_continued_from_its_tokens_draws_what_it_would_have(tiny_llama):
     """A request placed again after its worker died mid-stream: prompt + the tokens it had, output_offset."""
     path, _ = tiny_llama

@@ -129,7 +129,7 @@ def test_a_draw_never_takes_a_token_its_noise_cannot_give():
         assert sample_tokens(logits, counters_for(n, logits.device), *args).tolist() == [10] * n
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_k", -3), ("n", 2),
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_k", -3), ("n", 0),
                                           ("logprobs", 50), ("max_tokens", 0), ("min_p", 2.0)])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -365,3 +365,17 @@ def test_the_fused_truncated_draw_draws_what_the_torch_code_draws():
     with pytest.raises(ValueError, match="temperature"):
         from kernels.truncation import thresholds
         thresholds(logits, k, p, temperature=t[:3])
+
+
+def test_each_of_n_samples_is_a_request_with_a_seed_of_its_own():
+    p = SamplingParams(n=3, seed=5, temperature=0.7, stop="x")
+    samples = [p.sample(j) for j in range(3)]
+    assert [s.seed for s in samples] == [5, 6, 7] and all(s.n == 1 for s in samples)
+    assert samples[0] == SamplingParams(seed=5, temperature=0.7, stop="x"), "sample 0 is the request with n=1"
+    top = SamplingParams(n=4, seed=2**63 - 2)
+    assert len({top.sample(j).seed for j in range(4)}) == 4, "seeds near the top of the range stay distinct"
+    assert all(SamplingParams(n=2).sample(j).seed is None for j in range(2)), "unseeded samples stay unseeded"
+    with pytest.raises(ValueError, match="n must be an integer in"):
+        SamplingParams(n=129)
+    with pytest.raises(ValueError):
+        p.sample(3)
