@@ -71,8 +71,8 @@ def _common(body: dict, params: dict) -> None:
         _need(isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)),
               "stop", "stop must be a string or a list of strings")
         params["stop"] = [stop] if isinstance(stop, str) else stop
-    if body.get("logit_bias"):
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if body.get("logit_bias") is not None:
+        params["logit_bias"] = body["logit_bias"]
     try:
         SamplingParams.from_dict(params)
     except (ValueError, TypeError) as e:

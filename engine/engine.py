@@ -176,6 +176,9 @@ class Engine:
         for tok in params.stop_token_ids:
             if tok >= self.config.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (size {self.config.vocab_size})")
+        for tok in params.logit_bias or ():
+            if tok >= self.config.vocab_size:
+                raise ValueError(f"logit_bias: {tok} is outside the vocabulary (size {self.config.vocab_size})")
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None

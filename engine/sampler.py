@@ -106,7 +106,7 @@ def truncating_draw(r) -> bool:
     """Whether request r's next token is a draw from its logits as they are, truncated or not (no penalties,
     no logprobs, no stop ids held back by min_tokens): a decode graph can draw it (engine.graph)."""
     p = r.params
-    return not p.has_penalties and p.logprobs is None and r.num_output + r.pending >= p.min_tokens
+    return not p.changes_logits and p.logprobs is None and r.num_output + r.pending >= p.min_tokens
 
 
 def draw_index(r) -> int:
@@ -137,6 +137,10 @@ class SamplingBatch:
     # (row, token) pairs whose logits are banned this step (EOS before min_tokens).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # (row, token, bias) triples added to the logits first (logit_bias).
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     max_logprobs: int = -1  # -1: no request wants logprobs
 
     @classmethod
@@ -180,6 +184,11 @@ class SamplingBatch:
         if banned:
             b.banned_rows = t([i for i, _ in banned], torch.long)
             b.banned_tokens = t([tok for _, tok in banned], torch.long)
+        biased = [(i, tok, v) for i, p in enumerate(ps) if p.logit_bias for tok, v in p.logit_bias.items()]
+        if biased:
+            b.bias_rows = t([i for i, _, _ in biased], torch.long)
+            b.bias_tokens = t([tok for _, tok, _ in biased], torch.long)
+            b.bias_values = t([v for _, _, v in biased], torch.float32)
         return b
 
 
@@ -224,6 +233,8 @@ class SampleOutput:
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     """logits [B, V] float32 -> one token per row."""
     raw = logits
+    if b.bias_rows is not None:
+        logits = logits.index_put((b.bias_rows, b.bias_tokens), b.bias_values.to(logits.dtype), accumulate=True)
     if b.output_counts is not None:
         seen = b.prompt_mask | (b.output_counts > 0)
         rp = b.rep_penalty[:, None]

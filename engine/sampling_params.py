@@ -26,6 +26,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
+    # Token id -> a number in [-100, 100] added to its logit before penalties and sampling (OpenAI's
+    # logit_bias; JSON's string keys are taken as ids). Logprobs stay those of the model's own distribution.
+    logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Index of this request's first output token within the generation it continues: a request placed again
@@ -41,6 +44,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
         self.validate()
 
     @classmethod
@@ -86,6 +91,9 @@ class SamplingParams:
              "presence_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", "must be an integer in [0, 20]")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
+             "logit_bias", "must map token ids to numbers in [-100, 100]")
 
     def sample(self, j: int) -> "SamplingParams":
         """The params of the j-th of n samples, each of which runs as a request of its own (n=1). A seeded
@@ -103,5 +111,19 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def changes_logits(self) -> bool:
+        """Whether the logits are changed before the draw (penalties, logit_bias): such a request's token is
+        never drawn inside a decode graph."""
+        return self.has_penalties or bool(self.logit_bias)
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _token_key(k):
+    """A logit_bias key: a token id, or its decimal string (JSON objects have string keys); else as given,
+    for validate() to name."""
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return k

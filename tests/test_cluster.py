@@ -264,6 +264,21 @@ def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
     assert_pools_clean(cluster)
 
 
+def test_logit_bias_bans_and_forces_tokens(cluster):
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    plain = generate(cluster, PROMPTS[0], params)["output_ids"]
+    banned = generate(cluster, PROMPTS[0], dict(params, logit_bias={str(plain[0]): -100}))["output_ids"]
+    assert banned[0] != plain[0]
+    forced = generate(cluster, PROMPTS[0], dict(params, logit_bias={"1812": 100}))["output_ids"]
+    assert forced == [1812] * 4
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    comp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0,
+                                     logit_bias={"1812": 100}, extra_body={"ignore_eos": True}).choices[0]
+    assert len(set(comp.logprobs.tokens)) == 1
+    assert all(lp < -1 for lp in comp.logprobs.token_logprobs), "logprobs are the model's, before the bias"
+    assert_pools_clean(cluster)
+
+
 def test_openai_client_chat_and_completion(cluster):
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
@@ -299,6 +314,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi", [1, 2]]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400, None),
     ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "max_tokens"),

@@ -379,3 +379,20 @@ def test_each_of_n_samples_is_a_request_with_a_seed_of_its_own():
         SamplingParams(n=129)
     with pytest.raises(ValueError):
         p.sample(3)
+
+
+def test_logit_bias_is_added_before_the_draw_and_logprobs_stay_the_models():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    reqs = [Request(rid=str(i), prompt_ids=[1], params=p, seed=i, stop_ids=(), max_len=10) for i, p in
+            enumerate([SamplingParams(temperature=0, logit_bias={"1": -100, 2: 1.5}, logprobs=0),
+                       SamplingParams(temperature=0)])]
+    out = sample(logits, SamplingBatch.build(reqs, 4, "cpu"))
+    assert out.tokens.tolist() == [2, 0], "token 1 pushed down, token 2 up; the unbiased row as it was"
+    assert torch.allclose(out.logprobs, logits.log_softmax(-1)[[0, 1], [2, 0]])
+    assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1}
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"-3": 1}, {"5": 101}, {"5": "1"}, [5, 1]])
+def test_bad_logit_bias_is_named(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
