@@ -176,18 +176,16 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         jobs = choices(p)
         if len(jobs) == 1:
             return [await start_one(*jobs[0])]
-        tasks = [asyncio.create_task(start_one(ids, params)) for ids, params in jobs]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for t in tasks:
-                if not t.cancelled() and t.exception() is None:
-                    t.result().cancel()
-            raise
-        return [t.result() for t in tasks]
+        # All placements run to their end (none is cut off halfway through a reservation), then a failure
+        # frees the choices that were placed.
+        results = await asyncio.gather(*(start_one(ids, params) for ids, params in jobs), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if isinstance(r, Generation):
+                    r.cancel()
+            raise failed[0]
+        return results
 
     async def until_disconnect(request: Request, task: asyncio.Task):
         """Run a non-streaming generation, cancelling it if the client goes away."""

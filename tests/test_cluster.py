@@ -419,9 +419,10 @@ def test_full_decode_pool_makes_requests_wait_then_503(tmp_path_factory, embedde
     c = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", worker_args=["--max-total-tokens", "512"],
               coordinator_args=["--admission-timeout", "2"])
     try:
-        def ask(seed):
+        def ask(*seeds):
             with c.client() as h:
-                return h.post("/v1/completions", json={"model": MODEL, "prompt": prompt(seed), "max_tokens": 100,
+                text = [prompt(s) for s in seeds] if len(seeds) > 1 else prompt(seeds[0])
+                return h.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 100,
                                                        "ignore_eos": True, "temperature": 0})
 
         with ThreadPoolExecutor(2) as pool:
@@ -435,6 +436,11 @@ def test_full_decode_pool_makes_requests_wait_then_503(tmp_path_factory, embedde
         prefill = next(w for w in c.workers() if w["role"] == "prefill")
         assert prefill["load"]["transfer_count"] == 1, "the rejected request never reached the prefill worker"
         assert ask(3).status_code == 200, "with the pool free again, requests get in"
+        assert_pools_clean(c)
+        # Two prompts in one request, of which the pool holds one at a time: the second cannot be placed, so
+        # neither is served, and the one that was placed is freed.
+        both = ask(4, 5)
+        assert both.status_code == 503, both.text
         assert_pools_clean(c)
     finally:
         c.stop()
