@@ -303,6 +303,7 @@ class Dispatcher:
             t.prompt_ids = t.prompt_ids + t.generated
             t.params = dict(t.params, min_tokens=max(0, sp.min_tokens - n), output_offset=sp.output_offset + n,
                             max_tokens=None if sp.max_tokens is None else sp.max_tokens - n)
+            t.params.pop("prompt_logprobs", None)  # the client has them, with the first token
             t.generated = []
         t.first_token = False
         t.decode_id = t.prefill_id = t.alloc = t.backend = None

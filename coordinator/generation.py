@@ -32,6 +32,7 @@ class Piece:
     logprobs: list[tuple[int, str, float, list]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    first: bool = False  # the generation's first piece
 
 
 class Generation:
@@ -39,6 +40,8 @@ class Generation:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
+        self.prompt_text: str | None = None  # the client's prompt as it gave it, if text
+        self.prompt_logprobs = None  # [(logprob, top)] for prompt tokens 1.. (params["prompt_logprobs"])
         self.params = params
         sp = SamplingParams.from_dict(params)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, sp.stop, sp.include_stop_str_in_output,
@@ -52,6 +55,7 @@ class Generation:
         self._last = None
         self._sent = 0
         self._closed = False
+        self._yielded = False
 
     @property
     def rid(self) -> str | None:
@@ -72,6 +76,8 @@ class Generation:
                     self._outcome("error")
                     raise WorkerFailed(delta.error)
                 piece = self._absorb(delta)
+                if piece.finish_reason is not None or piece.text or piece.token_ids:
+                    piece.first, self._yielded = not self._yielded, True
                 if piece.finish_reason is not None:
                     clean = delta.finish_reason is not None
                     self._outcome(piece.finish_reason)
@@ -106,6 +112,8 @@ class Generation:
                 self.metrics.itl.observe((now - self._last) / len(delta.token_ids))
             self._last = now
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         ids = list(delta.token_ids)
         # A worker ends with "stop" only on a stop token (EOS or stop_token_ids): count it, do not show it.
         shown = ids[:-1] if delta.finish_reason == "stop" and ids else ids

@@ -47,6 +47,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top-k logprobs asked for (0: only the chosen token)
     model: str | None
+    echo: bool = False  # completions: the prompt comes back before the completion (with logprobs if asked)
 
     @property
     def n(self) -> int:
@@ -122,7 +123,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     prompts = _prompts(body.get("prompt"))
     for unsupported in ("suffix",):
         _need(body.get(unsupported) is None, unsupported, f"{unsupported} is not supported")
-    _need(not body.get("echo"), "echo", "echo is not supported")
+    echo = body.get("echo", False)
+    _need(isinstance(echo, bool), "echo", "echo must be a boolean")
     best_of = body.get("best_of")
     _need(best_of is None or best_of == (1 if body.get("n") is None else body["n"]), "best_of",
           "best_of must equal n (drawing more samples than are returned is not supported)")
@@ -133,10 +135,12 @@ def parse_completion(body: dict) -> ParsedRequest:
     params: dict[str, Any] = {"max_tokens": max_tokens if given else 16}
     if logprobs is not None:
         params["logprobs"] = logprobs
+        if echo:
+            params["prompt_logprobs"] = logprobs
     _common(body, params)
     _count_choices(len(prompts), params)
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"))
+    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo)
 
 
 def parse_chat(body: dict) -> ParsedRequest:

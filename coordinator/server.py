@@ -138,9 +138,9 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
-    def choices(p: ParsedRequest) -> list[tuple[list[int], dict]]:
-        """(prompt ids, sampling params) of each choice: prompt by prompt, n samples each (choice index
-        prompt * n + sample, as OpenAI numbers them)."""
+    def choices(p: ParsedRequest) -> list[tuple[list[int], dict, str | None]]:
+        """(prompt ids, sampling params, prompt text) of each choice: prompt by prompt, n samples each (choice
+        index prompt * n + sample, as OpenAI numbers them)."""
         ctx = co.context_length
         out = []
         for prompt in p.prompts if p.messages is None else [None]:
@@ -157,11 +157,13 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             sp = SamplingParams.from_dict(params)
             for j in range(sp.n):
                 seed = sp.sample(j).seed
-                out.append((ids, {**params, "n": 1} | ({} if seed is None else {"seed": seed})))
+                out.append((ids, {**params, "n": 1} | ({} if seed is None else {"seed": seed}),
+                            prompt if isinstance(prompt, str) else None))
         return out
 
-    async def start_one(ids: list[int], params: dict) -> Generation:
+    async def start_one(ids: list[int], params: dict, text: str | None = None) -> Generation:
         gen = Generation(co.dispatcher, co.tokenizer, ids, params, co.metrics)
+        gen.prompt_text = text
         try:
             await gen.start_on_workers()
         except PlacementError as e:
@@ -178,7 +180,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             return [await start_one(*jobs[0])]
         # All placements run to their end (none is cut off halfway through a reservation), then a failure
         # frees the choices that were placed.
-        results = await asyncio.gather(*(start_one(ids, params) for ids, params in jobs), return_exceptions=True)
+        results = await asyncio.gather(*(start_one(*job) for job in jobs), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             for r in results:
@@ -229,7 +231,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                     for i in range(len(gens)):
                         yield sse(render_first(rid, created, i))
                 async for i, piece in interleave(gens):
-                    yield sse(render_chunk(rid, created, i, piece))
+                    yield sse(render_chunk(rid, created, i, piece, gens[i]))
                 if p.include_usage:
                     yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
                                "choices": [], "usage": usage(gens, p.n)})
@@ -244,8 +246,18 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     # --- completions ----------------------------------------------------------------------------------------
     def completion_logprobs(lps) -> dict:
         return {"tokens": [t for _, t, _, _ in lps], "token_logprobs": [lp for _, _, lp, _ in lps],
-                "top_logprobs": [{co.tokenizer.decode([i], skip_special_tokens=False): v for i, v in top}
+                "top_logprobs": [None if top is None else
+                                 {co.tokenizer.decode([i], skip_special_tokens=False): v for i, v in top}
                                  for _, _, _, top in lps], "text_offset": []}
+
+    def echoed(gen: Generation) -> tuple[str, list]:
+        """The prompt as echo gives it back: its text, and its tokens as logprob entries (the first scored by
+        nothing: None)."""
+        text = gen.prompt_text if gen.prompt_text is not None else \
+            co.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
+        scores = [(None, None)] + [(lp, top) for lp, top in gen.prompt_logprobs or []]
+        return text, [(t, co.tokenizer.decode([t], skip_special_tokens=False), lp, top)
+                      for t, (lp, top) in zip(gen.prompt_ids, scores)]
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -256,7 +268,11 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         def full(rid, created, gens, pieces):
             def choice(i, gen, pieces):
                 lps = [x for piece in pieces for x in piece.logprobs]
-                return {"index": i, "text": "".join(x.text for x in pieces),
+                text = "".join(x.text for x in pieces)
+                if p.echo:
+                    prompt, prompt_lps = echoed(gen)
+                    text, lps = prompt + text, prompt_lps + lps
+                return {"index": i, "text": text,
                         "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
                         "finish_reason": gen.finish_reason, "stop_reason": pieces[-1].stop_reason}
 
@@ -264,10 +280,14 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                     "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
                     "usage": usage(gens, p.n)}
 
-        def chunk(rid, created, i, piece):
+        def chunk(rid, created, i, piece, gen):
+            text, lps = piece.text, piece.logprobs
+            if p.echo and piece.first:
+                prompt, prompt_lps = echoed(gen)
+                text, lps = prompt + text, prompt_lps + lps
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
-                    "choices": [{"index": i, "text": piece.text,
-                                 "logprobs": completion_logprobs(piece.logprobs) if p.logprobs is not None else None,
+                    "choices": [{"index": i, "text": text,
+                                 "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
                                  "finish_reason": piece.finish_reason}]}
 
         return await run(request, p, full, chunk)
@@ -299,7 +319,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
                     "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
-        def chunk(rid, created, i, piece):
+        def chunk(rid, created, i, piece, gen):
             delta = {"content": piece.text} if piece.text else {}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,
                     "choices": [{"index": i, "delta": delta,

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.protocol import (Abort, Allocate, Allocated, Generate, KVReady, Rejected, TokenBatch, TokenDelta,
-                             decode)
+                             decode, wire_prompt_logprobs)
 from engine.request import Logprob
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,9 @@ class DecodeRole:
                 req = self.engine.kv_arrived(rid, ready.first_token, lp)
                 if req is not None:
                     req.cached_tokens = max(req.cached_tokens, ready.cached_tokens)
+                    if ready.prompt_logprobs is not None:
+                        req.prompt_logprobs = [Logprob(t, lp, [tuple(x) for x in top]) for t, (lp, top) in
+                                               zip(req.prompt_ids[1:], ready.prompt_logprobs)]
                     self.on_step([req])
 
     def on_step(self, reqs) -> None:
@@ -134,7 +137,8 @@ class DecodeRole:
             delta = TokenDelta(req.rid, new, [lp.logprob for lp in lps] if lps is not None else None,
                                [list(lp.top) for lp in lps] if lps is not None else None,
                                req.finish_reason, req.stop_reason if isinstance(req.stop_reason, int) else None,
-                               req.cached_tokens)
+                               req.cached_tokens,
+                               prompt_logprobs=wire_prompt_logprobs(req) if req.reported == len(new) else None)
             batches.setdefault(meta.reply_to, []).append(delta)
             if req.finish_reason is not None:
                 self.meta.pop(req.rid, None)

@@ -38,6 +38,15 @@ class _Inflight:
     out: object  # SampleOutput on the device
     host: list  # its tensors' copies on their way to the host
     event: object  # torch.cuda.Event recorded after the copies (None on the CPU)
+    # Prompt logprobs the step computed: (owners, [logprobs, top logprobs, top ids] on their way to the host).
+    prompt: tuple | None = None
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A snapshot of a step's output on its way to the host (on a CPU .to("cpu") would not copy)."""
+    if t is None:
+        return None
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()
 
 
 def _host_memory_bytes() -> int:
@@ -291,26 +300,34 @@ class Engine:
                 self.scheduler.cache_pages(c.req)  # share finished prompt pages while the prompt goes on
         self._steps += 1
         self.scheduler.fence = self._steps
+        scores = self.runner.prompt_scores
+        prompt = None if scores is None else (scores.owners, [
+            _to_host(t) for t in (scores.logprobs, scores.top_logprobs, scores.top_ids)])
         if not sampling:
-            return _Inflight(self._steps, [], None, None, None)
+            event = None
+            if scores is not None and scores.logprobs.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            return _Inflight(self._steps, [], None, None, event, prompt)
         out = self.runner.sample(logits, sampling)
         for i, req in enumerate(sampling):
             req.pending += 1
             req.pending_row = i
         # A snapshot, read once the step is done: the tokens may be a view of a buffer the next step rewrites
         # (a decode graph's `sampled`), and on a CPU .to("cpu") would not copy.
-        host = [(t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()) if t is not None else None
-                for t in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        host = [_to_host(t) for t in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
         event = None
         if out.tokens.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        return _Inflight(self._steps, sampling, out, host, event)
+        return _Inflight(self._steps, sampling, out, host, event, prompt)
 
     def _resolve(self, inf: "_Inflight") -> list[Request]:
         """Wait for a launched step and apply its tokens."""
         if inf.event is not None:
             inf.event.synchronize()
+        if inf.prompt is not None:
+            self._add_prompt_logprobs(*inf.prompt)
         done = []
         if inf.reqs:
             tokens = inf.host[0].tolist()
@@ -328,6 +345,19 @@ class Engine:
                 done.append(req)
         self.scheduler.settle(inf.step)
         return done
+
+    @staticmethod
+    def _add_prompt_logprobs(owners, host) -> None:
+        lps = host[0].tolist()
+        tops = (host[1].tolist(), host[2].tolist()) if host[1] is not None else None
+        at = 0
+        for req, count in owners:
+            k = req.params.prompt_logprobs
+            start = len(req.prompt_logprobs) + 1  # the prompt token the next entry scores
+            for i in range(count):
+                top = list(zip(tops[1][at + i][:k], tops[0][at + i][:k])) if tops and k else []
+                req.prompt_logprobs.append(Logprob(req.prompt_ids[start + i], lps[at + i], top))
+            at += count
 
     def _append(self, req: Request, tok: int) -> None:
         if req.num_output == 0 and req.kv_len >= req.prompt_len:

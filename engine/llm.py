@@ -32,6 +32,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    # With params.prompt_logprobs: None for the first prompt token (nothing scores it), then each token's.
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -52,7 +54,8 @@ class RequestOutput:
                                  list(r.logprobs) if r.params.logprobs is not None else None)
                 for j, r in enumerate(reqs)]
         first = reqs[0]
-        return cls(first.rid, prompt, list(first.prompt_ids), outs, max(r.cached_tokens for r in reqs))
+        scored = [None] + list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None
+        return cls(first.rid, prompt, list(first.prompt_ids), outs, max(r.cached_tokens for r in reqs), True, scored)
 
 
 class GenerateError(ValueError):

@@ -125,6 +125,11 @@ class Prefill(msgspec.Struct, tag=True):
     skip_pages: int
 
 
+# A prompt token's logprob and the top (token id, logprob) pairs at its position (params.prompt_logprobs); the
+# token itself is the prompt's. Entry i of a list scores prompt token i + 1.
+PromptLogprob = tuple[float, list[tuple[int, float]]]
+
+
 class KVReady(msgspec.Struct, tag=True):
     """Prefill -> decode: the request's KV is in the decode pool; here is the first token."""
 
@@ -134,6 +139,7 @@ class KVReady(msgspec.Struct, tag=True):
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -166,6 +172,7 @@ class TokenDelta(msgspec.Struct):
     error: str | None = None
     # The error is the placement's, not the request's (its KV transfer failed): placing it again may succeed.
     retryable: bool = False
+    prompt_logprobs: list[PromptLogprob] | None = None  # with a request's first token, when asked for
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -175,6 +182,13 @@ class TokenBatch(msgspec.Struct, tag=True):
 
 Message = (Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | LivePeers
            | TokenBatch)
+
+def wire_prompt_logprobs(req) -> list[PromptLogprob] | None:
+    """A request's prompt logprobs as the wire carries them, or None when it did not ask for them."""
+    if req.params.prompt_logprobs is None:
+        return None
+    return [(lp.logprob, list(lp.top)) for lp in req.prompt_logprobs]
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

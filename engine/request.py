@@ -48,6 +48,10 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    # params.prompt_logprobs: entry i scores prompt token i + 1 (the logits at position i). `scored`: positions
+    # whose scores a launched step computes or computed (a recomputed prefix is not scored twice).
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    scored: int = 0
     # Server mode: output tokens already sent to the client; hold_pages keeps the KV after finishing
     # (a prefill worker frees it only once the pages reached the decode worker).
     reported: int = 0

@@ -16,6 +16,20 @@ from kernels.attention import AttentionInputs
 
 
 @dataclass
+class PromptScores:
+    """Prompt logprobs a step computed: for each request in `owners` (request, count), its next `count`
+    prompt tokens' logprobs, and the top k at their positions (k: the most any of them asked for)."""
+    owners: list[tuple[object, int]]
+    logprobs: torch.Tensor  # [R] float32
+    top_logprobs: torch.Tensor | None  # [R, k]
+    top_ids: torch.Tensor | None  # [R, k]
+
+
+# Rows of prompt logits made at a time: a whole chunk's would be [chunk, vocab] float32 (8192 x 128k: 4 GB).
+PROMPT_SCORE_ROWS = 512
+
+
+@dataclass
 class StepArrays:
     """A step's inputs on the host, before they are packed for the device (see AttentionInputs for the
     layout). Rows of `ids` listed in `fill_at` hold 0: their token is row `fill_from` of the previous step's
@@ -70,6 +84,8 @@ class ModelRunner:
         # (logits, the tokens drawn from them) of the last step a graph ran, which sample() takes for a batch
         # whose draws depend on temperature alone instead of sampling the logits again.
         self._graph_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The last forward's prompt logprobs (params.prompt_logprobs), or None.
+        self.prompt_scores: PromptScores | None = None
 
     def prepare(self, chunks: list[Chunk], prev_tokens: torch.Tensor | None = None):
         """Flat device inputs for a step: (input ids, positions, AttentionInputs, logit rows)."""
@@ -172,9 +188,11 @@ class ModelRunner:
         """Logits [S, vocab] (float32) for the chunks that sample, in order; None if none does."""
         a = self.arrays(chunks)
         self._graph_tokens = None
+        self.prompt_scores = None
+        scored = _prompt_rows(chunks) if any(c.req.params.prompt_logprobs is not None for c in chunks) else None
         # A graph draws a token for every row: a step where a one-token chunk of a prompt samples nothing (a
-        # small prefill budget beside decodes) runs eagerly.
-        if (self.graphs is not None and a.is_decode and len(a.logit_rows) == a.batch_size
+        # small prefill budget beside decodes) runs eagerly, as does one that scores prompt tokens.
+        if (self.graphs is not None and a.is_decode and scored is None and len(a.logit_rows) == a.batch_size
                 and self.graphs.can_run(a.batch_size, a.max_seq_len)
                 and (prev_tokens is None or prev_tokens.numel() <= self.graphs.sampled.numel())):
             if len(a.fill_at) and prev_tokens is None:
@@ -186,9 +204,26 @@ class ModelRunner:
         input_ids, positions, attn, logit_rows = self.to_device(a, prev_tokens)
         step = self.backend.plan(attn)
         hidden = self.model(input_ids, positions, step)
+        if scored is not None:
+            self.prompt_scores = self._score_prompts(hidden, *scored)
         if logit_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[logit_rows])
+
+    def _score_prompts(self, hidden, rows: list[int], targets: list[int], owners, k: int) -> PromptScores:
+        """The logprob of each target token under the logits of its row, and the top k there, from the model's
+        own distribution, in slices of rows (every tensor-parallel rank runs the same slices)."""
+        rows_t = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        targets_t = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        lps, tops, ids = [], [], []
+        for i in range(0, len(rows), PROMPT_SCORE_ROWS):
+            lp = self.model.compute_logits(hidden[rows_t[i:i + PROMPT_SCORE_ROWS]]).log_softmax(dim=-1)
+            lps.append(lp.gather(1, targets_t[i:i + PROMPT_SCORE_ROWS, None]).squeeze(1))
+            if k:
+                v, j = lp.topk(k, dim=-1)
+                tops.append(v)
+                ids.append(j)
+        return PromptScores(owners, torch.cat(lps), torch.cat(tops) if k else None, torch.cat(ids) if k else None)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampleOutput:
@@ -207,3 +242,23 @@ class ModelRunner:
             if tokens is not None:
                 return SampleOutput(tokens=tokens)
         return sample(logits, SamplingBatch.build(reqs, self.vocab, self.device))
+
+
+def _prompt_rows(chunks: list[Chunk]):
+    """(rows of the step's tokens whose logits score a prompt token, those tokens, [(request, count)], top k)
+    for the chunks whose requests want prompt logprobs, or None. Position p of a prompt scores token p + 1;
+    positions a launched step already scores (req.scored) are skipped, so a prompt computed again after a
+    retraction is not scored twice."""
+    rows, targets, owners, k, at = [], [], [], 0, 0
+    for c in chunks:
+        r = c.req
+        if r.params.prompt_logprobs is not None:
+            first, last = max(c.start, r.scored), min(c.start + c.length, r.prompt_len - 1)
+            if last > first:
+                rows.extend(range(at + first - c.start, at + last - c.start))
+                targets.extend(r.prompt_ids[first + 1:last + 1])
+                owners.append((r, last - first))
+                r.scored = last
+                k = max(k, r.params.prompt_logprobs)
+        at += c.length
+    return (rows, targets, owners, k) if rows else None

@@ -26,6 +26,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
+    # None: none; k >= 0: each prompt token's logprob (from the first token on) plus the top k at its position.
+    # The prompt is computed in full then (no prefix-cache hit skips its logits).
+    prompt_logprobs: int | None = None
     # Token id -> a number in [-100, 100] added to its logit before penalties and sampling (OpenAI's
     # logit_bias; JSON's string keys are taken as ids). Logprobs stay those of the model's own distribution.
     logit_bias: dict[int, float] | None = None
@@ -91,6 +94,8 @@ class SamplingParams:
              "presence_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", "must be an integer in [0, 20]")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "must be an integer in [0, 20]")
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
              "logit_bias", "must map token ids to numbers in [-100, 100]")

@@ -127,8 +127,10 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request, budget: int) -> bool:
-        # Leave at least one token to compute: its logits give the next token.
-        self._match(req, len(req.tokens) - 1)
+        # Leave at least one token to compute: its logits give the next token. A prompt whose logprobs are
+        # asked for is computed from its first token, since cached pages come without logits.
+        if req.params.prompt_logprobs is None or req.scored >= req.prompt_len - 1:
+            self._match(req, len(req.tokens) - 1)
         req.cached_tokens = min(req.kv_len, req.prompt_len)
         return self._take_for(req, req.kv_len + min(req.total_len - req.kv_len, budget))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.protocol import Abort, KVReady, Prefill, TokenBatch, TokenDelta, encode
+from engine.protocol import Abort, KVReady, Prefill, TokenBatch, TokenDelta, encode, wire_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class PrefillRole:
                 continue
             lp = req.logprobs[0] if req.logprobs else None
             ready = KVReady(req.rid, req.output_ids[0], lp.logprob if lp else None,
-                            list(lp.top) if lp else None, req.cached_tokens)
+                            list(lp.top) if lp else None, req.cached_tokens,
+                            prompt_logprobs=wire_prompt_logprobs(req))
             n_pages = len(msg.dst_pages)
             skip = msg.skip_pages
             self.w.transfers[msg.backend].send(

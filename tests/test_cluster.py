@@ -264,6 +264,35 @@ def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
     assert_pools_clean(cluster)
 
 
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(cluster):
+    """Loglikelihood requests as lm-eval sends them: token-id prompts in a batch, echo, logprobs, one token.
+    A prompt token's logprob is the one the model gives it when it generates that token."""
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_dir(None))
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    ctx_ids = tok.encode(PROMPTS[0])
+    gen = client.completions.create(model=MODEL, prompt=ctx_ids, max_tokens=6, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    cont_ids = generate(cluster, PROMPTS[0], {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})["output_ids"]
+    other = tok.encode(PROMPTS[9])
+    out = client.completions.create(model=MODEL, prompt=[ctx_ids + cont_ids, other], max_tokens=1, temperature=0,
+                                    logprobs=1, echo=True)
+    first, second = out.choices
+    assert first.text.startswith(PROMPTS[0]) and second.text.startswith(PROMPTS[9])
+    lps = first.logprobs
+    assert len(lps.tokens) == len(ctx_ids) + 6 + 1 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    scored = lps.token_logprobs[len(ctx_ids):-1]
+    assert scored == pytest.approx(gen.logprobs.token_logprobs, abs=2e-3)
+    assert lps.tokens[len(ctx_ids):-1] == gen.logprobs.tokens
+    assert all(len(t) == 1 for t in lps.top_logprobs[1:])
+    assert len(second.logprobs.tokens) == len(other) + 1
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(PROMPTS[0]) and plain.choices[0].logprobs is None
+    assert_pools_clean(cluster)
+
+
 def test_logit_bias_bans_and_forces_tokens(cluster):
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     plain = generate(cluster, PROMPTS[0], params)["output_ids"]

@@ -176,6 +176,29 @@ def test_n_samples_are_requests_of_their_own_seeded_by_their_index(tiny_llama):
     assert_pool_clean(llm.engine)
 
 
+def test_prompt_logprobs_score_each_prompt_token_as_decoding_would(tiny_llama):
+    """Prompt token i + 1 gets the logprob its position's logits give it: the same number a decode step gives
+    a generated token, across chunk boundaries, and with the prompt's pages already in the prefix cache."""
+    path, _ = tiny_llama
+    llm = LLM(path, max_total_tokens=4096, page_size=8, chunked_prefill_size=16)
+    start = [5, 17, 99, 3, 42, 7, 11]
+    gen = llm.generate({"prompt_token_ids": start}, SamplingParams(temperature=0, max_tokens=30, logprobs=2,
+                                                                   ignore_eos=True))[0].outputs[0]
+    prompt = start + gen.token_ids
+    for _ in range(2):  # the second time its pages are cached; its logits are computed anyway
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1,
+                                                                        prompt_logprobs=2))[0]
+        scored = out.prompt_logprobs
+        assert scored[0] is None and [lp.token_id for lp in scored[1:]] == prompt[1:]
+        assert out.num_cached_tokens == 0
+        for lp, want in zip(scored[len(start):], gen.logprobs):
+            assert lp.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in lp.top] == [t for t, _ in want.top]
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+    assert_pool_clean(llm.engine)
+
+
 def test_a_seeded_request_continued_from_its_tokens_draws_what_it_would_have(tiny_llama):
     """A request placed again after its worker died mid-stream: prompt + the tokens it had, output_offset."""
     path, _ = tiny_llama

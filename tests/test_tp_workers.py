@@ -37,9 +37,10 @@ def one_process(path: str) -> dict:
             sp = SamplingParams(temperature=params["temperature"], seed=params.get("seed"), max_tokens=STEPS,
                                 ignore_eos=True)
             reqs[(name, i)] = engine.add_request(p, sp)
+    scored = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     while engine.has_work():
         engine.step()
-    return {k: r.output_ids for k, r in reqs.items()}
+    return {k: r.output_ids for k, r in reqs.items()} | {"scored": [lp.logprob for lp in scored.prompt_logprobs]}
 
 
 def ranks_of(c: Cluster, worker_id: str) -> list[int]:
@@ -84,6 +85,13 @@ def test_tp2_workers_serve_what_one_process_computes(tiny_models, tmp_path, refe
         for i, p in enumerate(PROMPTS):
             assert generate(c, p, GREEDY) == reference[("greedy", i)], i
             assert generate(c, p, SEEDED) == reference[("seeded", i)], i
+        # Prompt logprobs: every rank computes the prompt's logits in the same slices.
+        with c.client() as h:
+            r = h.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0, "echo": True,
+                                                "logprobs": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1] == pytest.approx(reference["scored"],
+                                                                                          abs=1e-4)
         # Several at once: the ranks batch them alike, or the collectives would not meet.
         from concurrent.futures import ThreadPoolExecutor
 
