@@ -26,7 +26,8 @@ class PromptScores:
 
 
 # Rows of prompt logits made at a time: a whole chunk's would be [chunk, vocab] float32 (8192 x 128k: 4 GB).
-PROMPT_SCORE_ROWS = 512
+# 128 rows and their log-softmax take what the logits of a 256-request decode batch take.
+PROMPT_SCORE_ROWS = 128
 
 
 @dataclass
