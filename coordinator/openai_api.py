@@ -48,6 +48,7 @@ class ParsedRequest:
     logprobs: int | None  # top-k logprobs asked for (0: only the chosen token)
     model: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (with logprobs if asked)
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone comes back
 
     @property
     def n(self) -> int:
@@ -131,7 +132,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     logprobs = body.get("logprobs")
     _need(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= 20), "logprobs",
           "logprobs must be an integer in [0, 20]")
-    max_tokens, given = _max_tokens(body, "max_tokens")
+    # max_tokens 0 with echo scores the prompt alone: the workers still make one token, which is not shown.
+    score_only = echo and body.get("max_tokens") == 0 and _is_int(body["max_tokens"])
+    max_tokens, given = (1, True) if score_only else _max_tokens(body, "max_tokens")
     params: dict[str, Any] = {"max_tokens": max_tokens if given else 16}
     if logprobs is not None:
         params["logprobs"] = logprobs
@@ -140,7 +143,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     _common(body, params)
     _count_choices(len(prompts), params)
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo)
+    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo, score_only)
 
 
 def parse_chat(body: dict) -> ParsedRequest:

@@ -198,11 +198,11 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                 break
         return await task
 
-    def usage(gens: list[Generation], n: int = 1) -> dict:
+    def usage(gens: list[Generation], n: int = 1, shown: bool = True) -> dict:
         # A prompt's tokens count once however many samples (n) it has: its samples are consecutive choices.
         prompts = gens[::n]
         n_prompt = sum(len(g.prompt_ids) for g in prompts)
-        n_out = sum(len(g.output_ids) for g in gens)
+        n_out = sum(len(g.output_ids) for g in gens) if shown else 0
         cached = sum(max(g.cached_tokens for g in gens[i:i + n]) for i in range(0, len(gens), n))
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -234,7 +234,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                     yield sse(render_chunk(rid, created, i, piece, gens[i]))
                 if p.include_usage:
                     yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
-                               "choices": [], "usage": usage(gens, p.n)})
+                               "choices": [], "usage": usage(gens, p.n, not p.score_only)})
             except WorkerFailed as e:
                 yield sse(APIError(503, f"the request failed on a worker: {e}").body())
             yield "data: [DONE]\n\n"
@@ -269,26 +269,32 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             def choice(i, gen, pieces):
                 lps = [x for piece in pieces for x in piece.logprobs]
                 text = "".join(x.text for x in pieces)
-                if p.echo:
+                if p.score_only:
+                    text, lps = echoed(gen)
+                elif p.echo:
                     prompt, prompt_lps = echoed(gen)
                     text, lps = prompt + text, prompt_lps + lps
                 return {"index": i, "text": text,
                         "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
-                        "finish_reason": gen.finish_reason, "stop_reason": pieces[-1].stop_reason}
+                        "finish_reason": "length" if p.score_only else gen.finish_reason,
+                        "stop_reason": None if p.score_only else pieces[-1].stop_reason}
 
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
                     "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
-                    "usage": usage(gens, p.n)}
+                    "usage": usage(gens, p.n, not p.score_only)}
 
         def chunk(rid, created, i, piece, gen):
-            text, lps = piece.text, piece.logprobs
-            if p.echo and piece.first:
+            text, lps, finish = piece.text, piece.logprobs, piece.finish_reason
+            if p.score_only:
+                text, lps = echoed(gen) if piece.first else ("", [])
+                finish = finish and "length"
+            elif p.echo and piece.first:
                 prompt, prompt_lps = echoed(gen)
                 text, lps = prompt + text, prompt_lps + lps
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
                     "choices": [{"index": i, "text": text,
                                  "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
-                                 "finish_reason": piece.finish_reason}]}
+                                 "finish_reason": finish}]}
 
         return await run(request, p, full, chunk)
 
@@ -313,7 +319,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 
             return {"id": rid, "object": "chat.completion", "created": created, "model": co.model_name,
                     "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
-                    "usage": usage(gens, p.n)}
+                    "usage": usage(gens, p.n, not p.score_only)}
 
         def first(rid, created, i):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": co.model_name,

@@ -288,6 +288,13 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(cluster):
     assert lps.tokens[len(ctx_ids):-1] == gen.logprobs.tokens
     assert all(len(t) == 1 for t in lps.top_logprobs[1:])
     assert len(second.logprobs.tokens) == len(other) + 1
+    alone = client.completions.create(model=MODEL, prompt=[ctx_ids + cont_ids], max_tokens=0, logprobs=1, echo=True)
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lps.token_logprobs[:-1], abs=1e-4)
+    assert alone.choices[0].finish_reason == "length" and alone.usage.completion_tokens == 0
+    parts = list(client.completions.create(model=MODEL, prompt=ctx_ids, max_tokens=0, logprobs=0, echo=True,
+                                           stream=True))
+    assert "".join(c.text for part in parts for c in part.choices) == tok.decode(ctx_ids)
+    assert sum(len(c.logprobs.tokens) for part in parts for c in part.choices) == len(ctx_ids)
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(PROMPTS[0]) and plain.choices[0].logprobs is None
     assert_pools_clean(cluster)
