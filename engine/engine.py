@@ -150,12 +150,7 @@ class Engine:
     def make_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                      rid: str | None = None, detokenize: bool = True, prefill_only: bool = False) -> Request:
         """Validate and build a request; raises ValueError naming the problem."""
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        else:
-            params.validate()
+        params = SamplingParams.of(params)
         if params.n != 1:  # each sample is a request of its own: SamplingParams.sample(j)
             raise ValueError(f"n must be 1 for one engine request, got {params.n}; LLM.generate and the "
                              f"coordinator run n samples as n requests")

@@ -143,12 +143,7 @@ class LLM:
 
     def _add(self, prompt, params) -> list[Request]:
         """The prompt's n samples as n requests."""
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        else:
-            params.validate()
+        params = SamplingParams.of(params)
         if params.n == 1:
             return [self.engine.add_request(prompt, params)]
         if isinstance(prompt, str) and self.engine.tokenizer is not None:

@@ -59,6 +59,16 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(map(repr, unknown))}")
         return cls(**d)
 
+    @classmethod
+    def of(cls, params: "SamplingParams | dict | None") -> "SamplingParams":
+        """Params as a caller gives them (None: the defaults; a dict of fields; or SamplingParams), validated."""
+        if params is None:
+            return cls()
+        if isinstance(params, dict):
+            return cls.from_dict(params)
+        params.validate()
+        return params
+
     def validate(self) -> None:
         def need(ok: bool, name: str, msg: str):
             if not ok:
