@@ -286,15 +286,18 @@ class Engine:
 
     def _launch(self, chunks, prev: "_Inflight | None") -> "_Inflight | None":
         logits = self.runner.forward(chunks, prev.out.tokens if prev is not None and prev.out is not None else None)
+        # Numbered before the pages are cached: a page the cache's copy replaces is still written by this step.
+        self._steps += 1
+        self.scheduler.fence = self._steps
         sampling = []
         for c in chunks:
             c.req.kv_len = c.start + c.length
             if c.samples:
                 sampling.append(c.req)
-            elif c.length > 1:
-                self.scheduler.cache_pages(c.req)  # share finished prompt pages while the prompt goes on
-        self._steps += 1
-        self.scheduler.fence = self._steps
+            if c.length > 1:
+                # Share the prompt's full pages as soon as the step that writes them is launched: a request
+                # admitted later is stream-ordered behind it (Scheduler._waits_on_prefix counts on this).
+                self.scheduler.cache_pages(c.req)
         scores = self.runner.prompt_scores
         prompt = None if scores is None else (scores.owners, [
             _to_host(t) for t in (scores.logprobs, scores.top_logprobs, scores.top_ids)])

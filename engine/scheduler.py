@@ -48,6 +48,18 @@ class Chunk:
         return self.start + self.length == self.req.total_len
 
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most limit (slices compare in C: O(log n) of them)."""
+    lo, hi = 0, min(limit, len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache | None):
         self.config = config
@@ -89,8 +101,12 @@ class Scheduler:
             chunks.append(Chunk(req, req.kv_len, n))
             budget -= n
             i += 1
+        later: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if len(later) < self.MAX_WAITING_ON_PREFIX and self._waits_on_prefix(req):
+                later.append(self.waiting.popleft())
+                continue
             if not self._admit(req, budget):
                 break
             self.waiting.popleft()
@@ -99,7 +115,29 @@ class Scheduler:
             n = min(req.total_len - req.kv_len, budget)
             chunks.append(Chunk(req, req.kv_len, n))
             budget -= n
+        self.waiting.extendleft(reversed(later))
         return chunks
+
+    # A waiting request is held back while a running one computes pages of a prefix they share (n samples of
+    # one prompt, a burst with one long system prompt): admitted a step or so later it takes those pages from
+    # the cache instead of computing them a second time. Only shares of at least MIN_SHARED_TO_WAIT tokens are
+    # worth the wait; at most MAX_WAITING_ON_PREFIX requests are passed over in one step.
+    MIN_SHARED_TO_WAIT = 32
+    MAX_WAITING_ON_PREFIX = 64
+
+    def _waits_on_prefix(self, req: Request) -> bool:
+        if self.cache is None or req.kv_len or req.params.prompt_logprobs is not None:
+            return False
+        ps = self.config.page_size
+        limit = len(req.tokens) - 1  # as _admit matches
+        for other in self.running:
+            done = other.kv_len // ps * ps  # pages computed (or in the step in flight) are in the cache
+            if other.total_len - other.kv_len <= 1 or min(limit, len(other.tokens)) - done < self.MIN_SHARED_TO_WAIT:
+                continue
+            shared = _common_prefix(req.tokens, other.tokens, limit) // ps * ps
+            if shared - done >= max(self.MIN_SHARED_TO_WAIT, ps):
+                return True
+        return False
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.page_size)

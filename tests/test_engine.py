@@ -73,6 +73,27 @@ def test_shared_prefix_is_reused_from_cache_with_identical_output(tiny_llama):
     assert_pool_clean(no_cache)
 
 
+def test_requests_arriving_together_compute_a_shared_prompt_once(tiny_llama):
+    """n samples of one prompt, or a burst behind one long system prompt, arrive in the same step: the first
+    computes the shared pages; the others wait until those are launched and take them from the cache. A request
+    that shares nothing is not held back, and every output equals a run without the cache."""
+    path, _ = tiny_llama
+    engine = Engine(model_path=path, max_total_tokens=4096, page_size=16, chunked_prefill_size=512)
+    no_cache = Engine(model_path=path, max_total_tokens=4096, disable_radix_cache=True)
+    shared = [(i * 37) % 450 + 3 for i in range(150)]
+    ps = [shared + [11], shared + [11], [5, 6, 7] + shared, shared + [12, 13], shared[:20] + [9] * 30]
+    got = [engine.add_request(p, GREEDY) for p in ps]
+    engine.step()
+    assert [r in engine.scheduler.running for r in got] == [True, False, True, False, True]
+    drain(engine)
+    # 144: the whole pages of the 150 shared tokens. The last request's 20 shared tokens are too few to wait for.
+    assert [r.cached_tokens for r in got] == [0, 144, 0, 144, 0]
+    ref = [no_cache.add_request(p, GREEDY) for p in ps]
+    drain(no_cache)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert_pool_clean(engine)
+
+
 def test_abort_frees_the_request_pages(tiny_llama):
     path, _ = tiny_llama
     engine = Engine(model_path=path, max_total_tokens=1024, disable_radix_cache=True)
