@@ -53,6 +53,9 @@ class Tracked:
     attempt: int = 0  # placements so far beyond the first (a worker died under the request)
     generated: list[int] = field(default_factory=list)  # tokens delivered by the current placement
     client_prompt_len: int = 0  # the prompt as the client sent it (prompt_ids grows when placed again)
+    # The worker that computes another sample of this prompt (colocated or prefill), preferred while it lives:
+    # there this request's prompt comes from the prefix cache instead of being computed again.
+    affinity: str | None = None
 
     @property
     def wire(self) -> str:
@@ -279,9 +282,12 @@ class Dispatcher:
     live_peers_first_s = 5.0
     live_peers_interval_s = 30.0
 
-    async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None) -> Tracked:
-        """Place a request on workers; raises PlacementError (503 when no worker takes it in time)."""
-        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids))
+    async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None,
+                     near: Tracked | None = None) -> Tracked:
+        """Place a request on workers; raises PlacementError (503 when no worker takes it in time). `near`: a
+        placed request with the same prompt (another of n samples), whose prompt worker this one prefers."""
+        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids),
+                    affinity=None if near is None else near.prefill_id or near.decode_id)
         self.requests[t.rid] = t
         self.by_wire[t.wire] = t
         try:
@@ -334,7 +340,8 @@ class Dispatcher:
                 if await self._place_disaggregated(t, prefills, decodes, deadline, rejected):
                     return
             elif colocated:
-                w = min(colocated, key=lambda w: (self._decode_inflight.get(w.worker_id, 0), -w.load.free_pages))
+                w = min(colocated, key=lambda w: (w.worker_id != t.affinity, self._decode_inflight.get(w.worker_id, 0),
+                                                  -w.load.free_pages))
                 self._count_decode(t, w.worker_id)
                 self._send(w.ctrl_addr, Generate(t.wire, t.prompt_ids, t.params, self.addr))
                 return
@@ -350,7 +357,7 @@ class Dispatcher:
 
         def key(w: WorkerInfo):
             idx = self._prefix.setdefault(w.worker_id, _PrefixIndex())
-            return (self._prefill_inflight.get(w.worker_id, 0), -idx.match(hashes))
+            return (w.worker_id != t.affinity, self._prefill_inflight.get(w.worker_id, 0), -idx.match(hashes))
 
         best = min(prefills, key=key)
         self._prefix.setdefault(best.worker_id, _PrefixIndex()).add(hashes)

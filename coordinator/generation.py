@@ -61,8 +61,8 @@ class Generation:
     def rid(self) -> str | None:
         return self.tracked.rid if self.tracked else None
 
-    async def start_on_workers(self) -> None:
-        self.tracked = await self.dispatcher.submit(self.prompt_ids, self.params)
+    async def start_on_workers(self, near: Tracked | None = None) -> None:
+        self.tracked = await self.dispatcher.submit(self.prompt_ids, self.params, near=near)
 
     async def pieces(self):
         """Yield Pieces until the request finishes; always leaves the workers clean (abort if cut short)."""

@@ -161,11 +161,11 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                             prompt if isinstance(prompt, str) else None))
         return out
 
-    async def start_one(ids: list[int], params: dict, text: str | None = None) -> Generation:
+    async def start_one(ids: list[int], params: dict, text: str | None = None, near=None) -> Generation:
         gen = Generation(co.dispatcher, co.tokenizer, ids, params, co.metrics)
         gen.prompt_text = text
         try:
-            await gen.start_on_workers()
+            await gen.start_on_workers(near)
         except PlacementError as e:
             co.metrics.requests.labels("rejected").inc()
             if e.status == 503:
@@ -174,13 +174,23 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return gen
 
     async def start(p: ParsedRequest) -> list[Generation]:
-        """Every choice placed on workers, or none: if one cannot be, those that were are freed."""
+        """Every choice placed on workers, or none: if one cannot be, those that were are freed. The samples
+        of one prompt go after its first, to the worker that computes it, which then computes the prompt once."""
         jobs = choices(p)
         if len(jobs) == 1:
             return [await start_one(*jobs[0])]
+
+        async def place(samples: list) -> list:
+            first = await start_one(*samples[0])
+            rest = await asyncio.gather(*(start_one(*job, near=first.tracked) for job in samples[1:]),
+                                        return_exceptions=True)
+            return [first, *rest]
+
         # All placements run to their end (none is cut off halfway through a reservation), then a failure
         # frees the choices that were placed.
-        results = await asyncio.gather(*(start_one(*job) for job in jobs), return_exceptions=True)
+        groups = await asyncio.gather(*(place(jobs[i:i + p.n]) for i in range(0, len(jobs), p.n)),
+                                      return_exceptions=True)
+        results = [r for g in groups for r in (g if isinstance(g, list) else [g])]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             for r in results:

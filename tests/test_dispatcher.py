@@ -317,3 +317,35 @@ def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
             assert not [m for m in workers["d1"].drain() if isinstance(m, Allocate)]
 
     run(scenario())
+
+
+def test_samples_of_one_prompt_go_to_the_prefill_worker_that_computes_it(cluster):
+    """Another sample of a prompt (near=) goes to the prefill worker of the first, busy as it is, where the
+    prompt's pages are cached or being computed; a request with no such tie goes to the idle one."""
+    registry, workers, reply = cluster
+    ctx = zmq.Context()
+    p1 = FakeWorker(ctx, "p1", "prefill")
+    registry.put(p1.info)
+    workers["p1"] = p1
+    prompt = list(range(200))
+
+    async def place(d, near=None):
+        placing = asyncio.create_task(d.submit(prompt, {"seed": 1}, near=near))
+        await allocate_reply(workers, ["d0", "d1"], reply)
+        t = await placing
+        assert isinstance(await workers[t.prefill_id].next(), Prefill)
+        return t
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            first = await place(d)
+            sample = await place(d, near=first)
+            other = await place(d)
+            assert sample.prefill_id == first.prefill_id
+            assert other.prefill_id != first.prefill_id
+
+    try:
+        run(scenario())
+    finally:
+        p1.sock.close(0)
+        ctx.term()
