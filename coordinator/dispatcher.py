@@ -352,12 +352,15 @@ class Dispatcher:
             await asyncio.sleep(0.05)
 
     def _pick_prefill(self, t: Tracked, prefills: list[WorkerInfo]) -> WorkerInfo:
+        """The worker that would be done with this prompt first: the tokens it has in flight plus those of this
+        prompt that its prefix cache (as far as this coordinator sent it prompts) lacks."""
         page = prefills[0].layout.page_size
         hashes = _PrefixIndex.hashes(t.prompt_ids, page)
 
         def key(w: WorkerInfo):
-            idx = self._prefix.setdefault(w.worker_id, _PrefixIndex())
-            return (w.worker_id != t.affinity, self._prefill_inflight.get(w.worker_id, 0), -idx.match(hashes))
+            matched = self._prefix.setdefault(w.worker_id, _PrefixIndex()).match(hashes)
+            work = self._prefill_inflight.get(w.worker_id, 0) + len(t.prompt_ids) - matched * page
+            return (w.worker_id != t.affinity, work, -matched)
 
         best = min(prefills, key=key)
         self._prefix.setdefault(best.worker_id, _PrefixIndex()).add(hashes)

@@ -349,3 +349,42 @@ def test_samples_of_one_prompt_go_to_the_prefill_worker_that_computes_it(cluster
     finally:
         p1.sock.close(0)
         ctx.term()
+
+
+def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(cluster):
+    """A prefill worker with 40 tokens in flight but the first 192 of a prompt cached is done with it sooner
+    than an idle one that would compute all 210."""
+    registry, workers, reply = cluster
+    ctx = zmq.Context()
+    p1 = FakeWorker(ctx, "p1", "prefill")
+    registry.put(p1.info)
+    workers["p1"] = p1
+    shared = list(range(200))
+
+    async def place(d, prompt, near=None):
+        placing = asyncio.create_task(d.submit(prompt, {}, near=near))
+        await allocate_reply(workers, ["d0", "d1"], reply)
+        t = await placing
+        assert isinstance(await workers[t.prefill_id].next(), Prefill)
+        return t
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            first = await place(d, shared)
+            reply.send(encode(TokenBatch(first.decode_id, [TokenDelta(first.wire, [5])])))  # its prefill is over
+            for _ in range(100):
+                if d._prefill_inflight[first.prefill_id] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            busy = await place(d, [7] * 40, near=first)  # 40 tokens in flight there now
+            assert busy.prefill_id == first.prefill_id
+            extended = await place(d, shared + list(range(500, 510)))
+            assert extended.prefill_id == first.prefill_id
+            unrelated = await place(d, list(range(300, 510)))
+            assert unrelated.prefill_id != first.prefill_id
+
+    try:
+        run(scenario())
+    finally:
+        p1.sock.close(0)
+        ctx.term()
