@@ -53,9 +53,17 @@ class Tracked:
     attempt: int = 0  # placements so far beyond the first (a worker died under the request)
     generated: list[int] = field(default_factory=list)  # tokens delivered by the current placement
     client_prompt_len: int = 0  # the prompt as the client sent it (prompt_ids grows when placed again)
-    # The worker that computes another sample of this prompt (colocated or prefill), preferred while it lives:
-    # there this request's prompt comes from the prefix cache instead of being computed again.
-    affinity: str | None = None
+    # The workers of another sample of this prompt, preferred while they live: there this request's prompt
+    # comes from the prefix caches instead of being computed and sent again.
+    near_prefill: str | None = None
+    near_decode: str | None = None  # or colocated
+    # Set once the first token is out (the prompt's KV is in place on the decode worker) or the request ended.
+    prompt_ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, delta: TokenDelta) -> None:
+        if self.first_token or self.done:
+            self.prompt_ready.set()
+        self.queue.put_nowait(delta)
 
     @property
     def wire(self) -> str:
@@ -196,7 +204,7 @@ class Dispatcher:
         if delta.finish_reason is not None or delta.error is not None:
             t.done = True
             self._settle_decode(t)
-        t.queue.put_nowait(delta)
+        t.push(delta)
 
     def _settle_prefill(self, t: Tracked) -> None:
         # Idempotent, like _settle_decode: the first token, an abort, the watchdog.
@@ -273,7 +281,7 @@ class Dispatcher:
                         asyncio.create_task(self._place_again(t))
                         continue
                     t.done = True
-                    t.queue.put_nowait(TokenDelta(t.wire, [], error=f"worker {dead} failed"))
+                    t.push(TokenDelta(t.wire, [], error=f"worker {dead} failed"))
                 elif t.prefill_id is not None and not t.first_token and t.prefill_id not in alive:
                     asyncio.create_task(self._replace_prefill(t))
 
@@ -285,9 +293,10 @@ class Dispatcher:
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None,
                      near: Tracked | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time). `near`: a
-        placed request with the same prompt (another of n samples), whose prompt worker this one prefers."""
-        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids),
-                    affinity=None if near is None else near.prefill_id or near.decode_id)
+        placed request with the same prompt (another of n samples), whose workers this one prefers."""
+        t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids))
+        if near is not None:
+            t.near_prefill, t.near_decode = near.prefill_id, near.decode_id
         self.requests[t.rid] = t
         self.by_wire[t.wire] = t
         try:
@@ -325,7 +334,7 @@ class Dispatcher:
                 t.done = True
                 self._settle_decode(t)
                 self._settle_prefill(t)
-                t.queue.put_nowait(TokenDelta(t.wire, [], error=f"placing the request again: {e}"))
+                t.push(TokenDelta(t.wire, [], error=f"placing the request again: {e}"))
 
     async def _place(self, t: Tracked, deadline: float) -> None:
         rejected: set[str] = set()
@@ -340,7 +349,7 @@ class Dispatcher:
                 if await self._place_disaggregated(t, prefills, decodes, deadline, rejected):
                     return
             elif colocated:
-                w = min(colocated, key=lambda w: (w.worker_id != t.affinity, self._decode_inflight.get(w.worker_id, 0),
+                w = min(colocated, key=lambda w: (w.worker_id != t.near_decode, self._decode_inflight.get(w.worker_id, 0),
                                                   -w.load.free_pages))
                 self._count_decode(t, w.worker_id)
                 self._send(w.ctrl_addr, Generate(t.wire, t.prompt_ids, t.params, self.addr))
@@ -360,7 +369,7 @@ class Dispatcher:
         def key(w: WorkerInfo):
             matched = self._prefix.setdefault(w.worker_id, _PrefixIndex()).match(hashes)
             work = self._prefill_inflight.get(w.worker_id, 0) + len(t.prompt_ids) - matched * page
-            return (w.worker_id != t.affinity, work, -matched)
+            return (w.worker_id != t.near_prefill, work, -matched)
 
         best = min(prefills, key=key)
         self._prefix.setdefault(best.worker_id, _PrefixIndex()).add(hashes)
@@ -368,7 +377,8 @@ class Dispatcher:
 
     async def _place_disaggregated(self, t, prefills, decodes, deadline, rejected) -> bool:
         prefill = self._pick_prefill(t, prefills)
-        decodes.sort(key=lambda w: (self._decode_inflight.get(w.worker_id, 0) + w.load.running, -w.load.free_pages))
+        decodes.sort(key=lambda w: (w.worker_id != t.near_decode,
+                                    self._decode_inflight.get(w.worker_id, 0) + w.load.running, -w.load.free_pages))
         for dec in decodes:
             backend = agree(prefill.transfer, dec.transfer, self.transfer_backend)
             if backend is None or dec.layout != prefill.layout:
@@ -425,7 +435,7 @@ class Dispatcher:
         if dec is None or not candidates or t.done:
             t.done = True
             self._settle_decode(t)
-            t.queue.put_nowait(TokenDelta(t.wire, [], error=f"prefill worker {dead} failed"))
+            t.push(TokenDelta(t.wire, [], error=f"prefill worker {dead} failed"))
             return
         logger.warning("prefill worker %s left; sending %s elsewhere", dead, t.rid)
         self._send_prefill(t, self._pick_prefill(t, candidates), dec, t.backend, t.alloc)
@@ -444,6 +454,7 @@ class Dispatcher:
             if w is not None:
                 self._send(w.ctrl_addr, Abort(t.wire))
         t.done = True
+        t.prompt_ready.set()
         self._settle_prefill(t)
         self._settle_decode(t)
 

@@ -174,30 +174,43 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return gen
 
     async def start(p: ParsedRequest) -> list[Generation]:
-        """Every choice placed on workers, or none: if one cannot be, those that were are freed. The samples
-        of one prompt go after its first, to the worker that computes it, which then computes the prompt once."""
+        """Every choice placed on workers, or none: if one cannot be (or the client leaves meanwhile), those
+        that were are freed. The samples of one prompt go to the workers of its first once its first token is
+        out: the prompt is computed and sent once, and its pages are shared on the decode worker."""
         jobs = choices(p)
         if len(jobs) == 1:
             return [await start_one(*jobs[0])]
+        placed: list[Generation] = []
 
-        async def place(samples: list) -> list:
-            first = await start_one(*samples[0])
-            rest = await asyncio.gather(*(start_one(*job, near=first.tracked) for job in samples[1:]),
-                                        return_exceptions=True)
+        async def one(job, near=None) -> Generation:
+            gen = await start_one(*job, near=near)
+            placed.append(gen)
+            return gen
+
+        def first_failure(results: list) -> None:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+
+        # Every placement runs to its end (none is cut off halfway through a reservation) before a failure
+        # frees what was placed.
+        async def place(samples: list) -> list[Generation]:
+            first = await one(samples[0])
+            if len(samples) > 1:
+                await first.tracked.prompt_ready.wait()
+            rest = await asyncio.gather(*(one(job, first.tracked) for job in samples[1:]), return_exceptions=True)
+            first_failure(rest)
             return [first, *rest]
 
-        # All placements run to their end (none is cut off halfway through a reservation), then a failure
-        # frees the choices that were placed.
-        groups = await asyncio.gather(*(place(jobs[i:i + p.n]) for i in range(0, len(jobs), p.n)),
-                                      return_exceptions=True)
-        results = [r for g in groups for r in (g if isinstance(g, list) else [g])]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for r in results:
-                if isinstance(r, Generation):
-                    r.cancel()
-            raise failed[0]
-        return results
+        try:
+            groups = await asyncio.gather(*(place(jobs[i:i + p.n]) for i in range(0, len(jobs), p.n)),
+                                          return_exceptions=True)
+            first_failure(groups)
+        except BaseException:
+            for gen in placed:
+                gen.cancel()
+            raise
+        return [gen for group in groups for gen in group]
 
     async def until_disconnect(request: Request, task: asyncio.Task):
         """Run a non-streaming generation, cancelling it if the client goes away."""

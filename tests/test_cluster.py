@@ -250,19 +250,22 @@ def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
     assert both.usage.prompt_tokens == sum(lengths), "a prompt counts once, however many samples it has"
     assert both.usage.completion_tokens == 6 * 10
 
-    # The samples of one prompt computed it once: the others took its pages from the prefill worker's cache.
-    def prefill_hits():
-        return next(w for w in cluster.workers() if w["role"] == "prefill")["load"]["prefix_hit_tokens"]
+    # The samples of one prompt computed and sent it once: the others took its pages from the prefix caches of
+    # the prefill worker and of the decode worker, where they share them.
+    def hits():
+        return {w["role"]: w["load"]["prefix_hit_tokens"] for w in cluster.workers()}
 
-    before = prefill_hits()
+    before = hits()
     long_prompt = " ".join(f"item {i} weighs {i * 7 % 13} kg;" for i in range(40))
     four = client.completions.create(prompt=long_prompt, n=4, **dict(params, max_tokens=2))
     pages = (four.usage.prompt_tokens - 1) // 16 * 16
+    assert four.usage.prompt_tokens_details.cached_tokens == pages
     for _ in range(50):  # the load figures come with the workers' heartbeats
-        if prefill_hits() - before >= 3 * pages:
+        gained = {role: n - before[role] for role, n in hits().items()}
+        if min(gained.values()) >= 3 * pages:
             break
         time.sleep(0.1)
-    assert prefill_hits() - before >= 3 * pages
+    assert gained["prefill"] >= 3 * pages and gained["decode"] >= 3 * pages
 
     messages = [{"role": "user", "content": "Name a fruit."}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, temperature=0.9, seed=3)

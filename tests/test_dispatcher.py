@@ -319,9 +319,9 @@ def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
     run(scenario())
 
 
-def test_samples_of_one_prompt_go_to_the_prefill_worker_that_computes_it(cluster):
-    """Another sample of a prompt (near=) goes to the prefill worker of the first, busy as it is, where the
-    prompt's pages are cached or being computed; a request with no such tie goes to the idle one."""
+def test_samples_of_one_prompt_go_to_the_workers_of_the_first(cluster):
+    """Another sample of a prompt (near=) goes to the prefill and decode workers of the first, busy as they
+    are, where the prompt's pages are cached; a request with no such tie goes to the idle ones."""
     registry, workers, reply = cluster
     ctx = zmq.Context()
     p1 = FakeWorker(ctx, "p1", "prefill")
@@ -341,8 +341,8 @@ def test_samples_of_one_prompt_go_to_the_prefill_worker_that_computes_it(cluster
             first = await place(d)
             sample = await place(d, near=first)
             other = await place(d)
-            assert sample.prefill_id == first.prefill_id
-            assert other.prefill_id != first.prefill_id
+            assert (sample.prefill_id, sample.decode_id) == (first.prefill_id, first.decode_id)
+            assert other.prefill_id != first.prefill_id and other.decode_id != first.decode_id
 
     try:
         run(scenario())
