@@ -57,6 +57,8 @@ class Tracked:
     # comes from the prefix caches instead of being computed and sent again.
     near_prefill: str | None = None
     near_decode: str | None = None  # or colocated
+    # Tokens of the prompt (whole pages) that the worker computing it was recently sent: likely cached there.
+    prompt_seen: int = 0
     # Set once the first token is out (the prompt's KV is in place on the decode worker) or the request ended.
     prompt_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -351,6 +353,7 @@ class Dispatcher:
             elif colocated:
                 w = min(colocated, key=lambda w: (w.worker_id != t.near_decode, self._decode_inflight.get(w.worker_id, 0),
                                                   -w.load.free_pages))
+                self._note_prefix(t, w)
                 self._count_decode(t, w.worker_id)
                 self._send(w.ctrl_addr, Generate(t.wire, t.prompt_ids, t.params, self.addr))
                 return
@@ -372,8 +375,17 @@ class Dispatcher:
             return (w.worker_id != t.near_prefill, work, -matched)
 
         best = min(prefills, key=key)
-        self._prefix.setdefault(best.worker_id, _PrefixIndex()).add(hashes)
+        self._note_prefix(t, best, hashes)
         return best
+
+    def _note_prefix(self, t: Tracked, w: WorkerInfo, hashes: list[int] | None = None) -> None:
+        """t's prompt goes to w to be computed: what w was sent of it before, and that it has it now."""
+        page = w.layout.page_size
+        if hashes is None:
+            hashes = _PrefixIndex.hashes(t.prompt_ids, page)
+        idx = self._prefix.setdefault(w.worker_id, _PrefixIndex())
+        t.prompt_seen = idx.match(hashes) * page
+        idx.add(hashes)
 
     async def _place_disaggregated(self, t, prefills, decodes, deadline, rejected) -> bool:
         prefill = self._pick_prefill(t, prefills)

@@ -27,6 +27,11 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# The other samples of a prompt wait for the first one's first token when the worker computing the prompt
+# lacks at least this many of its tokens: the wait costs them that first token's latency, and pays where there
+# is much of the prompt to compute and send, not where its worker has it cached or the prompt is short.
+SHARED_PROMPT_WAIT = 64
+
 
 @dataclass(frozen=True)
 class CoordinatorArgs:
@@ -175,8 +180,8 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 
     async def start(p: ParsedRequest) -> list[Generation]:
         """Every choice placed on workers, or none: if one cannot be (or the client leaves meanwhile), those
-        that were are freed. The samples of one prompt go to the workers of its first once its first token is
-        out: the prompt is computed and sent once, and its pages are shared on the decode worker."""
+        that were are freed. The samples of one prompt go to the workers of its first, once its first token is
+        out (SHARED_PROMPT_WAIT): the prompt is computed and sent once, and shared on the decode worker."""
         jobs = choices(p)
         if len(jobs) == 1:
             return [await start_one(*jobs[0])]
@@ -196,7 +201,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         # frees what was placed.
         async def place(samples: list) -> list[Generation]:
             first = await one(samples[0])
-            if len(samples) > 1:
+            if len(samples) > 1 and len(first.prompt_ids) - first.tracked.prompt_seen >= SHARED_PROMPT_WAIT:
                 await first.tracked.prompt_ready.wait()
             rest = await asyncio.gather(*(one(job, first.tracked) for job in samples[1:]), return_exceptions=True)
             first_failure(rest)
