@@ -1,7 +1,7 @@
 """A randomized run of one engine, audited: requests in every sampling mode, prompts that share prefixes (the
-radix cache on), a KV pool small enough to retract, aborts at random. Every finished request is checked
-(tokens inside the vocabulary, its length, stop ids and min_tokens, logprobs), and the page accounting every
-250 steps and at the end.
+radix cache on), bursts of samples of one prompt, a KV pool small enough to retract, aborts at random. Every
+finished request is checked (tokens inside the vocabulary, its length, stop ids and min_tokens, logprobs), and
+the page accounting every 250 steps and at the end.
 
     python3 -m bench.stress [--steps 4000] [--smoke]
 
@@ -79,9 +79,11 @@ def run(model, vocab: int, steps: int, seed: int = 0, max_prompt: int = 1500, se
 
     for step in range(steps):
         if len(live) < 40 and rng.random() < 0.35:
-            for _ in range(rng.randint(1, 4)):
-                head = rng.choice(prefixes)[: rng.randint(1, max_prompt // 2)] if rng.random() < 0.5 else []
-                prompt = (head + random_prompt(rng.choice(lengths), vocab, rng.randrange(10 ** 9)))[:max_prompt]
+            samples = rng.random() < 0.2  # a burst of samples of one prompt, as `n` sends them
+            for i in range(rng.randint(1, 4)):
+                if not (samples and i):
+                    head = rng.choice(prefixes)[: rng.randint(1, max_prompt // 2)] if rng.random() < 0.5 else []
+                    prompt = (head + random_prompt(rng.choice(lengths), vocab, rng.randrange(10 ** 9)))[:max_prompt]
                 fields = dict(rng.choice(MODES), max_tokens=rng.randint(1, 120), ignore_eos=rng.random() < 0.5,
                               seed=rng.choice([None, rng.randrange(2 ** 63)]))
                 if rng.random() < 0.2:
