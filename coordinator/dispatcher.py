@@ -57,6 +57,7 @@ class Tracked:
     # comes from the prefix caches instead of being computed and sent again.
     near_prefill: str | None = None
     near_decode: str | None = None  # or colocated
+    prompt_logprobs: list | None = None  # [(logprob, top)] for prompt tokens 1.., as the first delta brought them
     # Tokens of the prompt (whole pages) that the worker computing it was recently sent: likely cached there.
     prompt_seen: int = 0
     # Set once the first token is out (the prompt's KV is in place on the decode worker) or the request ended.
@@ -198,6 +199,8 @@ class Dispatcher:
             asyncio.create_task(self._place_again(t))
             return
         t.generated.extend(delta.token_ids)
+        if delta.prompt_logprobs is not None and t.prompt_logprobs is None:
+            t.prompt_logprobs = delta.prompt_logprobs
         # A request placed again finds its own earlier tokens in the new worker's prefix cache: not the client's.
         delta.cached_tokens = min(delta.cached_tokens, t.client_prompt_len)
         if not t.first_token and (delta.token_ids or delta.error or delta.finish_reason):

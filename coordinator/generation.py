@@ -41,7 +41,7 @@ class Generation:
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
         self.prompt_text: str | None = None  # the client's prompt as it gave it, if text
-        self.prompt_logprobs = None  # [(logprob, top)] for prompt tokens 1.. (params["prompt_logprobs"])
+        self.scores_from: Generation | None = None  # another sample of the prompt, which scores it for this one
         self.params = params
         sp = SamplingParams.from_dict(params)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, sp.stop, sp.include_stop_str_in_output,
@@ -112,8 +112,6 @@ class Generation:
                 self.metrics.itl.observe((now - self._last) / len(delta.token_ids))
             self._last = now
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
-        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = delta.prompt_logprobs
         ids = list(delta.token_ids)
         # A worker ends with "stop" only on a stop token (EOS or stop_token_ids): count it, do not show it.
         shown = ids[:-1] if delta.finish_reason == "stop" and ids else ids
@@ -147,6 +145,12 @@ class Generation:
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.metrics.generation_tokens.inc(len(self.output_ids))
         self.metrics.e2e.observe(time.monotonic() - self.start)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """[(logprob, top)] for prompt tokens 1.. (params["prompt_logprobs"]), once the first token is out."""
+        src = self.scores_from or self
+        return src.tracked.prompt_logprobs if src.tracked is not None else None
 
     @property
     def text(self) -> str:

@@ -162,8 +162,10 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             sp = SamplingParams.from_dict(params)
             for j in range(sp.n):
                 seed = sp.sample(j).seed
-                out.append((ids, {**params, "n": 1} | ({} if seed is None else {"seed": seed}),
-                            prompt if isinstance(prompt, str) else None))
+                sample = {**params, "n": 1} | ({} if seed is None else {"seed": seed})
+                if j:
+                    sample.pop("prompt_logprobs", None)  # the first sample scores the prompt for all
+                out.append((ids, sample, prompt if isinstance(prompt, str) else None))
         return out
 
     async def start_one(ids: list[int], params: dict, text: str | None = None, near=None) -> Generation:
@@ -201,10 +203,13 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         # frees what was placed.
         async def place(samples: list) -> list[Generation]:
             first = await one(samples[0])
-            if len(samples) > 1 and len(first.prompt_ids) - first.tracked.prompt_seen >= SHARED_PROMPT_WAIT:
+            if len(samples) > 1 and (len(first.prompt_ids) - first.tracked.prompt_seen >= SHARED_PROMPT_WAIT
+                                     or first.params.get("prompt_logprobs") is not None):
                 await first.tracked.prompt_ready.wait()
             rest = await asyncio.gather(*(one(job, first.tracked) for job in samples[1:]), return_exceptions=True)
             first_failure(rest)
+            for gen in rest:
+                gen.scores_from = first
             return [first, *rest]
 
         try:

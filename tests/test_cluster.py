@@ -314,6 +314,20 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(cluster):
     assert sum(len(c.logprobs.tokens) for part in parts for c in part.choices) == len(ctx_ids)
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(PROMPTS[0]) and plain.choices[0].logprobs is None
+    # n samples: the first scores the prompt for all of them, whole or streamed.
+    n = len(ctx_ids) + 6
+    three = client.completions.create(model=MODEL, prompt=[ctx_ids + cont_ids], max_tokens=2, logprobs=1, echo=True,
+                                      n=3, temperature=1.0, seed=5)
+    for c in three.choices:
+        assert c.logprobs.token_logprobs[:n] == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-4)
+    streamed = {}
+    for part in client.completions.create(model=MODEL, prompt=[ctx_ids + cont_ids], max_tokens=2, logprobs=1,
+                                          echo=True, n=3, temperature=1.0, seed=5, stream=True):
+        for c in part.choices:
+            streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert sorted(streamed) == [0, 1, 2]
+    for lps in streamed.values():
+        assert lps[:n] == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert_pools_clean(cluster)
 
 
