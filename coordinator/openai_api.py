@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_N, SamplingParams
 
 # Sampling fields taken as they are (vLLM's extensions to the OpenAI API).
 _PASS_THROUGH = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -49,6 +49,7 @@ class ParsedRequest:
     model: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (with logprobs if asked)
     score_only: bool = False  # echo with max_tokens 0: the prompt alone comes back
+    best_of: int | None = None  # n of each prompt's samples (params' n) come back: those of best mean logprob
 
     @property
     def n(self) -> int:
@@ -126,9 +127,11 @@ def parse_completion(body: dict) -> ParsedRequest:
         _need(body.get(unsupported) is None, unsupported, f"{unsupported} is not supported")
     echo = body.get("echo", False)
     _need(isinstance(echo, bool), "echo", "echo must be a boolean")
-    best_of = body.get("best_of")
-    _need(best_of is None or best_of == (1 if body.get("n") is None else body["n"]), "best_of",
-          "best_of must equal n (drawing more samples than are returned is not supported)")
+    n, best_of = body.get("n", 1), body.get("best_of")
+    if best_of is not None:
+        _need(_is_int(best_of) and best_of <= MAX_N and (not _is_int(n) or n <= best_of), "best_of",
+              f"best_of must be an integer in [n, {MAX_N}]")
+        _need(best_of == n or not body.get("stream"), "best_of", "best_of greater than n cannot be streamed")
     logprobs = body.get("logprobs")
     _need(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= 20), "logprobs",
           "logprobs must be an integer in [0, 20]")
@@ -141,9 +144,14 @@ def parse_completion(body: dict) -> ParsedRequest:
         if echo:
             params["prompt_logprobs"] = logprobs
     _common(body, params)
+    best = None
+    if best_of is not None and _is_int(n) and best_of > n:
+        best, params["n"] = n, best_of
+        params.setdefault("logprobs", 0)  # the ranking's; shown only if asked for
     _count_choices(len(prompts), params)
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo, score_only)
+    return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo, score_only,
+                         best)
 
 
 def parse_chat(body: dict) -> ParsedRequest:

@@ -292,6 +292,14 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return text, [(t, co.tokenizer.decode([t], skip_special_tokens=False), lp, top)
                       for t, (lp, top) in zip(gen.prompt_ids, scores)]
 
+    def best(samples: list[tuple[Generation, list]], keep: int) -> list[tuple[Generation, list]]:
+        """best_of: the `keep` samples of one prompt with the highest mean logprob per token, best first."""
+        def mean_logprob(sample) -> float:
+            lps = [lp for piece in sample[1] for _, _, lp, _ in piece.logprobs]
+            return sum(lps) / len(lps) if lps else float("-inf")
+
+        return sorted(samples, key=mean_logprob, reverse=True)[:keep]
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_auth(request)
@@ -312,8 +320,11 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                         "finish_reason": "length" if p.score_only else gen.finish_reason,
                         "stop_reason": None if p.score_only else pieces[-1].stop_reason}
 
+            kept = list(zip(gens, pieces))
+            if p.best_of is not None:
+                kept = [x for i in range(0, len(kept), p.n) for x in best(kept[i:i + p.n], p.best_of)]
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
-                    "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(zip(gens, pieces))],
+                    "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(kept)],
                     "usage": usage(gens, p.n, not p.score_only)}
 
         def chunk(rid, created, i, piece, gen):

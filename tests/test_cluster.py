@@ -281,6 +281,22 @@ def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
     assert_pools_clean(cluster)
 
 
+def test_best_of_returns_the_samples_of_highest_mean_logprob(cluster):
+    """best_of draws that many samples of each prompt (sample j as the prompt alone with seed + j) and returns
+    the n whose tokens have the highest mean logprob, best first; usage counts every token drawn."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    params = dict(model=MODEL, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=[PROMPTS[1], PROMPTS[2]], n=2, best_of=4, seed=7, **params)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and all(c.logprobs is None for c in out.choices)
+    for i, prompt in enumerate([PROMPTS[1], PROMPTS[2]]):
+        drawn = [client.completions.create(prompt=prompt, seed=7 + j, logprobs=0, **params).choices[0]
+                 for j in range(4)]
+        ranked = sorted(drawn, key=lambda c: sum(c.logprobs.token_logprobs) / 6, reverse=True)
+        assert [c.text for c in out.choices[2 * i:2 * i + 2]] == [c.text for c in ranked[:2]]
+    assert out.usage.completion_tokens == 2 * 4 * 6
+    assert_pools_clean(cluster)
+
+
 def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(cluster):
     """Loglikelihood requests as lm-eval sends them: token-id prompts in a batch, echo, logprobs, one token.
     A prompt token's logprob is the one the model gives it when it generates that token."""
@@ -378,7 +394,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 9, "n": 128}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 129}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi", [1, 2]]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
