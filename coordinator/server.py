@@ -277,11 +277,17 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     # --- completions ----------------------------------------------------------------------------------------
-    def completion_logprobs(lps) -> dict:
+    def completion_logprobs(lps, offset: int = 0) -> dict:
+        """OpenAI's legacy logprobs; text_offset: where each token's text starts in the choice's text, the
+        first at `offset` (a stream's chunks go on from the text sent before)."""
+        starts = []
+        for _, text, _, _ in lps:
+            starts.append(offset)
+            offset += len(text)
         return {"tokens": [t for _, t, _, _ in lps], "token_logprobs": [lp for _, _, lp, _ in lps],
                 "top_logprobs": [None if top is None else
                                  {co.tokenizer.decode([i], skip_special_tokens=False): v for i, v in top}
-                                 for _, _, _, top in lps], "text_offset": []}
+                                 for _, _, _, top in lps], "text_offset": starts}
 
     def echoed(gen: Generation) -> tuple[str, list]:
         """The prompt as echo gives it back: its text, and its tokens as logprob entries (the first scored by
@@ -327,6 +333,8 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                     "choices": [choice(i, g, ps) for i, (g, ps) in enumerate(kept)],
                     "usage": usage(gens, p.n, not p.score_only)}
 
+        sent: dict[int, int] = {}  # a streamed choice's text so far, in characters
+
         def chunk(rid, created, i, piece, gen):
             text, lps, finish = piece.text, piece.logprobs, piece.finish_reason
             if p.score_only:
@@ -335,9 +343,11 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             elif p.echo and piece.first:
                 prompt, prompt_lps = echoed(gen)
                 text, lps = prompt + text, prompt_lps + lps
+            offset = sent.get(i, 0)
+            sent[i] = offset + len(text)
             return {"id": rid, "object": "text_completion", "created": created, "model": co.model_name,
                     "choices": [{"index": i, "text": text,
-                                 "logprobs": completion_logprobs(lps) if p.logprobs is not None else None,
+                                 "logprobs": completion_logprobs(lps, offset) if p.logprobs is not None else None,
                                  "finish_reason": finish}]}
 
         return await run(request, p, full, chunk)

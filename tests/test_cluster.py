@@ -347,6 +347,22 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(cluster):
     assert_pools_clean(cluster)
 
 
+def test_text_offset_places_each_token_in_the_choice_text(cluster):
+    """Legacy logprobs' text_offset: token k's text starts at text_offset[k] of the choice's text, echoed
+    prompt included, and a stream's chunks count on from the text sent before them."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
+    params = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=0)
+    for echo in (False, True):
+        c = client.completions.create(echo=echo, **params).choices[0]
+        lp = c.logprobs
+        assert lp.text_offset[0] == 0 and len(lp.text_offset) == len(lp.tokens) > 1
+        for tok, off in zip(lp.tokens, lp.text_offset):
+            assert c.text[off:off + len(tok)] == tok
+        offsets = [off for part in client.completions.create(echo=echo, stream=True, **params)
+                   for ch in part.choices for off in ch.logprobs.text_offset]
+        assert offsets == lp.text_offset
+
+
 def test_logit_bias_bans_and_forces_tokens(cluster):
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     plain = generate(cluster, PROMPTS[0], params)["output_ids"]
