@@ -319,72 +319,63 @@ def test_workers_of_another_tensor_parallel_size_are_never_paired(cluster):
     run(scenario())
 
 
-def test_samples_of_one_prompt_go_to_the_workers_of_the_first(cluster):
-    """Another sample of a prompt (near=) goes to the prefill and decode workers of the first, busy as they
-    are, where the prompt's pages are cached; a request with no such tie goes to the idle ones."""
+@pytest.fixture
+def two_prefills(cluster):
+    """The cluster with a second prefill worker, p1."""
     registry, workers, reply = cluster
     ctx = zmq.Context()
-    p1 = FakeWorker(ctx, "p1", "prefill")
-    registry.put(p1.info)
-    workers["p1"] = p1
-    prompt = list(range(200))
+    workers["p1"] = FakeWorker(ctx, "p1", "prefill")
+    registry.put(workers["p1"].info)
+    yield cluster
+    workers["p1"].sock.close(0)
+    ctx.term()
 
-    async def place(d, near=None):
-        placing = asyncio.create_task(d.submit(prompt, {"seed": 1}, near=near))
-        await allocate_reply(workers, ["d0", "d1"], reply)
-        t = await placing
-        assert isinstance(await workers[t.prefill_id].next(), Prefill)
-        return t
+
+async def place_through(d, workers, reply, prompt, near=None):
+    """Submit a request, answer its Allocate, and see its Prefill arrive; the placed request."""
+    placing = asyncio.create_task(d.submit(prompt, {}, near=near))
+    await allocate_reply(workers, ["d0", "d1"], reply)
+    t = await placing
+    assert isinstance(await workers[t.prefill_id].next(), Prefill)
+    return t
+
+
+def test_samples_of_one_prompt_go_to_the_workers_of_the_first(two_prefills):
+    """Another sample of a prompt (near=) goes to the prefill and decode workers of the first, busy as they
+    are, where the prompt's pages are cached; a request with no such tie goes to the idle ones."""
+    registry, workers, reply = two_prefills
+    prompt = list(range(200))
 
     async def scenario():
         async with started(registry, reply) as d:
-            first = await place(d)
-            sample = await place(d, near=first)
-            other = await place(d)
+            first = await place_through(d, workers, reply, prompt)
+            sample = await place_through(d, workers, reply, prompt, near=first)
+            other = await place_through(d, workers, reply, prompt)
             assert (sample.prefill_id, sample.decode_id) == (first.prefill_id, first.decode_id)
             assert other.prefill_id != first.prefill_id and other.decode_id != first.decode_id
 
-    try:
-        run(scenario())
-    finally:
-        p1.sock.close(0)
-        ctx.term()
+    run(scenario())
 
 
-def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(cluster):
+def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(two_prefills):
     """A prefill worker with 40 tokens in flight but the first 192 of a prompt cached is done with it sooner
     than an idle one that would compute all 210."""
-    registry, workers, reply = cluster
-    ctx = zmq.Context()
-    p1 = FakeWorker(ctx, "p1", "prefill")
-    registry.put(p1.info)
-    workers["p1"] = p1
+    registry, workers, reply = two_prefills
     shared = list(range(200))
-
-    async def place(d, prompt, near=None):
-        placing = asyncio.create_task(d.submit(prompt, {}, near=near))
-        await allocate_reply(workers, ["d0", "d1"], reply)
-        t = await placing
-        assert isinstance(await workers[t.prefill_id].next(), Prefill)
-        return t
 
     async def scenario():
         async with started(registry, reply) as d:
-            first = await place(d, shared)
+            first = await place_through(d, workers, reply, shared)
             reply.send(encode(TokenBatch(first.decode_id, [TokenDelta(first.wire, [5])])))  # its prefill is over
             for _ in range(100):
                 if d._prefill_inflight[first.prefill_id] == 0:
                     break
                 await asyncio.sleep(0.01)
-            busy = await place(d, [7] * 40, near=first)  # 40 tokens in flight there now
+            busy = await place_through(d, workers, reply, [7] * 40, near=first)  # 40 tokens in flight there
             assert busy.prefill_id == first.prefill_id
-            extended = await place(d, shared + list(range(500, 510)))
+            extended = await place_through(d, workers, reply, shared + list(range(500, 510)))
             assert extended.prefill_id == first.prefill_id
-            unrelated = await place(d, list(range(300, 510)))
+            unrelated = await place_through(d, workers, reply, list(range(300, 510)))
             assert unrelated.prefill_id != first.prefill_id
 
-    try:
-        run(scenario())
-    finally:
-        p1.sock.close(0)
-        ctx.term()
+    run(scenario())
