@@ -102,9 +102,10 @@ class Scheduler:
             budget -= n
             i += 1
         later: list[Request] = []
+        computing = [r for r in self.running if r.total_len - r.kv_len > 1]  # prompts (or recomputes) under way
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if len(later) < self.MAX_WAITING_ON_PREFIX and self._waits_on_prefix(req):
+            if len(later) < self.MAX_WAITING_ON_PREFIX and self._waits_on_prefix(req, computing):
                 later.append(self.waiting.popleft())
                 continue
             if not self._admit(req, budget):
@@ -112,6 +113,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
+            if req.total_len - req.kv_len > 1:
+                computing.append(req)
             n = min(req.total_len - req.kv_len, budget)
             chunks.append(Chunk(req, req.kv_len, n))
             budget -= n
@@ -125,14 +128,14 @@ class Scheduler:
     MIN_SHARED_TO_WAIT = 32
     MAX_WAITING_ON_PREFIX = 64
 
-    def _waits_on_prefix(self, req: Request) -> bool:
+    def _waits_on_prefix(self, req: Request, computing: list[Request]) -> bool:
         if self.cache is None or req.kv_len or req.params.prompt_logprobs is not None:
             return False
         ps = self.config.page_size
         limit = len(req.tokens) - 1  # as _admit matches
-        for other in self.running:
+        for other in computing:
             done = other.kv_len // ps * ps  # pages computed (or in the step in flight) are in the cache
-            if other.total_len - other.kv_len <= 1 or min(limit, len(other.tokens)) - done < self.MIN_SHARED_TO_WAIT:
+            if min(limit, len(other.tokens)) - done < self.MIN_SHARED_TO_WAIT:
                 continue
             shared = _common_prefix(req.tokens, other.tokens, limit) // ps * ps
             if shared - done >= max(self.MIN_SHARED_TO_WAIT, ps):
