@@ -173,6 +173,9 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         gen.prompt_text = text
         try:
             await gen.start_on_workers(near)
+        except asyncio.CancelledError:  # the client left while the request waited for workers
+            co.metrics.requests.labels("abort").inc()
+            raise
         except PlacementError as e:
             co.metrics.requests.labels("rejected").inc()
             if e.status == 503:
@@ -223,13 +226,25 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return [gen for group in groups for gen in group]
 
     async def until_disconnect(request: Request, task: asyncio.Task):
-        """Run a non-streaming generation, cancelling it if the client goes away."""
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                break
+        """Await a task of this request's (its placement, or a non-streaming generation), cancelling it if
+        the client goes away: under load, a client that gave up must not still cost a prefill."""
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    break
+        except asyncio.CancelledError:  # this handler itself: the task must not outlive it
+            task.cancel()
+            raise
         return await task
+
+    async def start_while_connected(request: Request, p: ParsedRequest) -> list[Generation] | None:
+        """start(p), or None if the client left before its request was placed (what was placed is freed)."""
+        try:
+            return await until_disconnect(request, asyncio.create_task(start(p)))
+        except asyncio.CancelledError:
+            return None
 
     def usage(gens: list[Generation], n: int = 1, shown: bool = True) -> dict:
         # A prompt's tokens count once however many samples (n) it has: its samples are consecutive choices.
@@ -244,7 +259,9 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def run(request: Request, p: ParsedRequest, render_full, render_chunk, render_first=None):
-        gens = await start(p)
+        gens = await start_while_connected(request, p)
+        if gens is None:
+            return Response(status_code=499)
         rid = f"{'chatcmpl' if p.messages is not None else 'cmpl'}-{gens[0].rid}"
         created = int(time.time())
         # Which workers stream this request: for operators, and for tests that kill workers.
@@ -393,7 +410,10 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     async def generate(request: Request):
         check_auth(request)
         p = parse_generate(await read_json(request))
-        gen, = await start(p)
+        gens = await start_while_connected(request, p)
+        if gens is None:
+            return Response(status_code=499)
+        gen, = gens
 
         def meta(finish):
             return {"id": gen.rid, "prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),

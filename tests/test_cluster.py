@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -503,9 +504,20 @@ def test_loadgen_reports_against_the_cluster(cluster):
     assert human.returncode == 0 and "TTFT (ms)" in human.stdout and "4/4 ok" in human.stdout
 
 
+def outcomes(c: Cluster) -> dict[str, float]:
+    """The coordinator's count of requests by outcome (its /metrics)."""
+    text = httpx.get(f"{c.url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r'^pdserve_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def prefill_transfers(c: Cluster) -> int:
+    return next(w for w in c.workers() if w["role"] == "prefill")["load"]["transfer_count"]
+
+
 def test_full_decode_pool_makes_requests_wait_then_503(tmp_path_factory, embedded_converted):
     """A decode pool with room for one long prompt at a time: the next request waits for pages, and past
-    the admission timeout gets 503 with Retry-After; no prefill work starts for it."""
+    the admission timeout gets 503 with Retry-After; no prefill work starts for it, nor for one whose client
+    leaves while it waits."""
     from engine.loader import resolve_model_dir
     from engine.tokenizer import Tokenizer
 
@@ -534,9 +546,22 @@ def test_full_decode_pool_makes_requests_wait_then_503(tmp_path_factory, embedde
         assert r1.status_code == 200 and r1.json()["usage"]["completion_tokens"] == 100
         assert r2.status_code == 503 and r2.headers["retry-after"] == "1", r2.text
         assert r2.json()["error"]["type"] == "service_unavailable_error"
-        prefill = next(w for w in c.workers() if w["role"] == "prefill")
-        assert prefill["load"]["transfer_count"] == 1, "the rejected request never reached the prefill worker"
+        assert prefill_transfers(c) == 1, "the rejected request never reached the prefill worker"
         assert ask(3).status_code == 200, "with the pool free again, requests get in"
+        assert_pools_clean(c)
+        # A client that hangs up while its request waits for pages: the request is dropped then (an abort),
+        # not left to time out in the queue (a rejection) or, had pages come free first, to be computed.
+        before = outcomes(c)
+        with ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(ask, 6)
+            time.sleep(1.0)
+            with c.client(timeout=0.5) as h, pytest.raises(httpx.ReadTimeout):
+                h.post("/v1/completions", json={"model": MODEL, "prompt": prompt(7), "max_tokens": 100})
+            assert holder.result(timeout=120).status_code == 200
+        after = outcomes(c)
+        assert after.get("abort", 0) - before.get("abort", 0) == 1, (before, after)
+        assert after.get("rejected", 0) == before.get("rejected", 0), (before, after)
+        assert prefill_transfers(c) == 3, "only the requests that were answered reached the prefill worker"
         assert_pools_clean(c)
         # Two prompts in one request, of which the pool holds one at a time: the second cannot be placed, so
         # neither is served, and the one that was placed is freed.
