@@ -490,6 +490,27 @@ def test_client_disconnect_frees_pages_on_both_workers(cluster):
     assert_pools_clean(cluster)
 
 
+def test_samples_waiting_for_their_first_are_dropped_when_the_client_leaves(cluster):
+    """The samples of a long new prompt wait until the first has computed it; a client that hangs up
+    meanwhile frees the first on both workers, and the others are never placed."""
+    words = "amber basalt cobalt dune ember fjord granite harbor indigo jasper".split()
+    prompt = " ".join(f"{words[i % 10]}{i * 37 % 1009}" for i in range(500))  # about 1,800 tokens, new here
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    n_prompt = len(Tokenizer(resolve_model_dir(None)).encode(prompt))
+    assert n_prompt > 1500
+
+    def looked_up() -> int:  # prompt tokens the decode worker has reserved pages for (a lookup each)
+        return next(w for w in cluster.workers() if w["role"] == "decode")["load"]["prefix_query_tokens"]
+
+    before = looked_up()
+    with cluster.client(timeout=0.3) as h, pytest.raises(httpx.ReadTimeout):
+        h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 50})
+    assert_pools_clean(cluster)
+    assert looked_up() - before < 2 * n_prompt, "samples placed for a client that had left"
+
+
 def test_loadgen_reports_against_the_cluster(cluster):
     out = subprocess.run([sys.executable, "-m", "loadgen", "--url", cluster.url, "--api-key", "sk-test",
                           "--num-requests", "12", "--concurrency", "4", "--input-len", "32", "--output-len", "8",
