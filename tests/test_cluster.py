@@ -4,7 +4,9 @@ real NIXL (UCX over host memory), the embedded SmolLM2 model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import random
 import re
 import subprocess
 import sys
@@ -509,6 +511,55 @@ def test_samples_waiting_for_their_first_are_dropped_when_the_client_leaves(clus
         h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 50})
     assert_pools_clean(cluster)
     assert looked_up() - before < 2 * n_prompt, "samples placed for a client that had left"
+
+
+def test_clients_leaving_at_random_moments_leave_the_others_whole(cluster):
+    """Twenty-four requests at once, streamed or not, of one to three samples, on short prompts and on long
+    new ones (whose samples wait for the first), half of whose clients hang up at a random moment: waiting
+    for workers, during the prefill, while samples wait, mid-stream. The others get what they get alone,
+    and the workers hold nothing afterwards."""
+    rng = random.Random(5)
+    words = "north south river stone cloud field light glass paper metal".split()
+    jobs = []
+    for i in range(24):
+        prompt = PROMPTS[i % len(PROMPTS)] if i % 3 else " ".join(
+            f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(rng.randrange(100, 300)))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": i,
+                "n": rng.choice([1, 1, 2, 3]), "ignore_eos": True, "stream": rng.random() < 0.5}
+        jobs.append((body, rng.uniform(0.05, 2.0) if i % 2 else None))
+
+    async def texts(client, body) -> list[str]:
+        if not body["stream"]:
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in r.json()["choices"]]
+        out = [""] * body["n"]
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        out[c["index"]] += c["text"]
+        return out
+
+    async def one(client, body, leave):
+        if leave is None:
+            return await texts(client, body)
+        with contextlib.suppress(asyncio.TimeoutError):  # the timeout cancels the call: the connection closes
+            await asyncio.wait_for(texts(client, body), leave)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=cluster.url, headers=cluster.headers, timeout=120) as client:
+            return await asyncio.gather(*(one(client, body, leave) for body, leave in jobs))
+
+    got = asyncio.run(burst())
+    assert_pools_clean(cluster)
+    with cluster.client(timeout=120) as h:
+        for (body, leave), out in zip(jobs, got):
+            if leave is None:
+                alone = h.post("/v1/completions", json=dict(body, stream=False)).json()
+                assert out == [c["text"] for c in alone["choices"]], body
+    assert_pools_clean(cluster)
 
 
 def test_loadgen_reports_against_the_cluster(cluster):
