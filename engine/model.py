@@ -320,8 +320,9 @@ class CausalLM(nn.Module):
             out[: end - start] = t[start:end]
             return out
         if kind == "qkv_proj":
-            size = [c.q_size, c.kv_size, c.kv_size][part]
-            return t.narrow(0, tp.rank * size, size)
+            if part == 0:
+                return t.narrow(0, tp.rank * c.q_size, c.q_size)
+            return t.narrow(0, tp.first_kv_head(t.shape[0] // c.head_dim) * c.head_dim, c.kv_size)
         if kind == "gate_up_proj":
             return t.narrow(0, tp.rank * c.intermediate_size, c.intermediate_size)
         if kind in ("o_proj", "down_proj") and t.dim() == 2:

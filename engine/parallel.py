@@ -3,7 +3,8 @@
 Column-parallel (output dim split): qkv_proj (by heads), gate_up_proj; row-parallel (input dim split, output
 all-reduced): o_proj, down_proj; vocab-parallel: embed_tokens (rows split, lookups all-reduced) and the LM
 head (logits all-gathered). Norms are replicated. Each rank keeps num_heads/size query heads and
-num_kv_heads/size KV heads, so its KV pool holds only its heads. The group is passed explicitly; nothing
+num_kv_heads/size KV heads, so its KV pool holds only its heads; with more ranks than KV heads (a 4-KV-head
+model on 8 GPUs), each rank keeps the one KV head its query heads share, as size/num_kv_heads ranks do. The group is passed explicitly; nothing
 here is global. With size 1 every operation is the plain one.
 """
 
@@ -33,14 +34,20 @@ class TensorParallel:
         """This rank's view of the model: its share of heads and of the MLP width (vocab stays whole)."""
         if self.size == 1:
             return c
-        for name, v in (("num_attention_heads", c.num_attention_heads),
-                        ("num_key_value_heads", c.num_key_value_heads),
-                        ("intermediate_size", c.intermediate_size)):
+        for name, v in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size)):
             if v % self.size:
                 raise ValueError(f"--tp {self.size} does not divide {name} ({v})")
+        kv = c.num_key_value_heads
+        if kv % self.size and self.size % kv:
+            raise ValueError(f"--tp {self.size} neither divides num_key_value_heads ({kv}) nor is a multiple of it")
         return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // self.size,
-                                   num_key_value_heads=c.num_key_value_heads // self.size,
+                                   num_key_value_heads=max(1, kv // self.size),
                                    intermediate_size=c.intermediate_size // self.size)
+
+    def first_kv_head(self, total: int) -> int:
+        """The first of this rank's KV heads among `total`. With more ranks than KV heads, size // total
+        consecutive ranks hold the same head: the one their query heads read."""
+        return self.rank * total // self.size
 
     def vocab_range(self, vocab: int) -> tuple[int, int, int]:
         """(first row, end row, rows held) of this rank's vocabulary shard; the last shard is padded."""

@@ -69,6 +69,38 @@ def test_two_ranks_match_one_and_transformers(family, tiny_models, tmp_path):
     assert seeded.output_ids == ranks[0]["outputs"]["seeded"]
 
 
+def test_four_ranks_over_two_kv_heads_each_hold_the_head_their_queries_read(tiny_models, tmp_path):
+    """More ranks than KV heads: ranks 0 and 1 hold KV head 0, ranks 2 and 3 head 1, each beside its one
+    query head, and together they compute what transformers computes (Qwen2: q/k/v biases, tied head)."""
+    path, hf = tiny_models["qwen2"]
+    ranks = run_ranks(rank_main, path, str(tmp_path / "tp"), size=4)
+    assert [r["kv_heads"] for r in ranks] == [1, 1, 1, 1]
+    assert all(r["outputs"] == ranks[0]["outputs"] for r in ranks), "every rank takes the same decisions"
+    for i, p in enumerate(PROMPTS):
+        ids = ranks[0]["outputs"][f"g{i}"]
+        ref = hf_logits(hf, p + ids)[len(p) - 1: len(p) + STEPS - 1]
+        assert rel_err(ranks[0]["logits"][f"g{i}"], ref) < 1e-4
+
+
+def test_a_tensor_parallel_size_must_divide_the_heads_or_be_a_multiple_of_the_kv_heads():
+    import dataclasses
+
+    from conftest import hf_config
+    from engine.config import ModelConfig
+    from engine.parallel import TensorParallel
+
+    c = dataclasses.replace(ModelConfig.from_hf_dict(hf_config("llama").to_dict()), num_attention_heads=24,
+                            num_key_value_heads=4, intermediate_size=192)
+    assert TensorParallel(0, 2).shard_config(c).num_key_value_heads == 2
+    assert TensorParallel(0, 8).shard_config(c).num_key_value_heads == 1  # each head held by two ranks
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        TensorParallel(0, 6).shard_config(c)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        TensorParallel(0, 16).shard_config(c)
+    assert [TensorParallel(r, 8).first_kv_head(4) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [TensorParallel(r, 2).first_kv_head(4) for r in range(2)] == [0, 2]
+
+
 def rank_bounds(rank: int, size: int, addr: str, path: str, out: str) -> None:
     from engine.kv_scales import kv_bounds
     from engine.loader import load_model
