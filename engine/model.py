@@ -210,7 +210,9 @@ class CausalLM(nn.Module):
         # `config` is this rank's view from here on: its heads and MLP width, the whole vocabulary.
         self.config = config = tp.shard_config(config)
         self.vocab_start, self.vocab_end, rows = tp.vocab_range(config.vocab_size)
-        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        # A weight given (not drawn): nn.Embedding's own init imports torch._dynamo on the meta device, 1.5-2 s
+        # of every worker's start.
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
