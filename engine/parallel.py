@@ -4,8 +4,8 @@ Column-parallel (output dim split): qkv_proj (by heads), gate_up_proj; row-paral
 all-reduced): o_proj, down_proj; vocab-parallel: embed_tokens (rows split, lookups all-reduced) and the LM
 head (logits all-gathered). Norms are replicated. Each rank keeps num_heads/size query heads and
 num_kv_heads/size KV heads, so its KV pool holds only its heads; with more ranks than KV heads (a 4-KV-head
-model on 8 GPUs), each rank keeps the one KV head its query heads share, as size/num_kv_heads ranks do. The group is passed explicitly; nothing
-here is global. With size 1 every operation is the plain one.
+model on 8 GPUs), each rank keeps the one KV head its query heads share, as size/num_kv_heads ranks do. The
+group is passed explicitly; nothing here is global. With size 1 every operation is the plain one.
 """
 
 from __future__ import annotations
