@@ -32,7 +32,9 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    # Rope scaling as found in the checkpoint ({"rope_type": "llama3", "factor": ...}), or None.
+    # Rope scaling as found in the checkpoint ({"rope_type": "llama3", "factor": ...}), or None. GGUF files give
+    # Llama 3's scaling as one divisor per rotary frequency (their rope_freqs tensor), which is kept as such:
+    # {"rope_type": "frequency_factors", "factors": [head_dim / 2 floats]}.
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k and v projections
@@ -48,8 +50,11 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear"):
+        if rope_type not in ("default", "llama3", "linear", "frequency_factors"):
             raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+        if rope_type == "frequency_factors" and len(self.rope_scaling["factors"]) != self.head_dim // 2:
+            raise ValueError(f"rope frequency factors: {len(self.rope_scaling['factors'])} given, the heads' "
+                             f"{self.head_dim // 2} rotary frequencies need one each")
 
     @property
     def q_size(self) -> int:

@@ -21,7 +21,8 @@ from engine.env import Env
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+# 2: rope frequency factors, end-of-turn tokens among the EOS ids.
+CACHE_FORMAT = 2
 
 # GGUF architecture name -> HF model_type.
 _ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -40,7 +41,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-SUPPORTED_QUANT = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# The types of the usual llama.cpp files (Q4_K_M holds Q4_K, Q6_K, and Q5_0 or Q8_0 for rows not a multiple of
+# 256 wide; Q2_K..Q5_K_M, IQ4_XS and IQ4_NL the others listed), dequantized by gguf-py.
+SUPPORTED_QUANT = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ4_NL", "IQ4_XS")
+# Tensors that describe the model rather than weigh it.
+_ROPE_FREQS = "rope_freqs.weight"
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, for byte-level BPE vocabularies.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -79,16 +85,25 @@ class GGUFModel:
         a = self.arch
         heads = int(self._field(f"{a}.attention.head_count"))
         hidden = int(self._field(f"{a}.embedding_length"))
-        names = {t.name for t in self.reader.tensors}
-        if "rope_freqs.weight" in names:
-            raise ValueError(f"{self.path}: per-dimension rope frequency factors are not supported yet")
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        rotary = self._field(f"{a}.rope.dimension_count")
+        if rotary is not None and int(rotary) != head_dim:
+            raise ValueError(f"{self.path}: rope over {rotary} of each head's {head_dim} dimensions is not supported")
+        tensors = {t.name: t for t in self.reader.tensors}
         # The embedding's row count is the model's vocabulary; the token list may be shorter (padding rows).
-        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
-        vocab = int(embd.shape[-1])
+        vocab = int(tensors["token_embd.weight"].shape[-1])
         rope = None
         if self._field(f"{a}.rope.scaling.type") == "linear":
             rope = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}
-        eos = self._field("tokenizer.ggml.eos_token_id")
+        if _ROPE_FREQS in tensors:  # Llama 3.x: its rope scaling, as llama.cpp's converter wrote it down
+            t = tensors[_ROPE_FREQS]
+            if t.tensor_type != 0:  # GGML_TYPE_F32
+                raise ValueError(f"{self.path}: {_ROPE_FREQS} must be F32")
+            rope = {"rope_type": "frequency_factors", "factors": [float(x) for x in np.asarray(t.data).ravel()]}
+        # Instruction-tuned vocabularies end a turn with a token of its own (Llama 3's <|eot_id|>, and
+        # <|eom_id|> after a tool call); generation stops at any of them, as llama.cpp stops.
+        eos = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
         return ModelConfig(
             model_type=_ARCH[a],
             vocab_size=int(vocab),
@@ -97,17 +112,17 @@ class GGUFModel:
             num_hidden_layers=int(self._field(f"{a}.block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(self._field(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(self._field(f"{a}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             max_position_embeddings=int(self._field(f"{a}.context_length", 4096)),
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=rope,
-            tie_word_embeddings="output.weight" not in names,
+            tie_word_embeddings="output.weight" not in tensors,
             attention_bias=a == "qwen2",
             qk_norm=a == "qwen3",
             sliding_window=self._field(f"{a}.attention.sliding_window"),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
+            eos_token_ids=eos_ids,
         )
 
     def tensors(self):
@@ -118,6 +133,8 @@ class GGUFModel:
         # llama.cpp permutes q/k rows for its interleaved rope only for llama-style architectures.
         permuted = self.arch in ("llama", "mistral")
         for t in self.reader.tensors:
+            if t.name == _ROPE_FREQS:  # read into the config
+                continue
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype.name not in SUPPORTED_QUANT:
                 raise ValueError(f"{self.path}: tensor {t.name} has unsupported type {qtype.name} "

@@ -57,6 +57,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         inv_freq = torch.where(medium, blended, scaled)
+    elif kind == "frequency_factors":  # llama.cpp's rope_freqs: each frequency divided by its own factor
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -32,9 +32,29 @@ LAYER_TENSORS = {
 }
 
 
-def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tensor]:
-    """Write `hf_model` as a llama GGUF the way llama.cpp does (q/k rows permuted, weights quantized);
-    return the HF-named, dequantized tensors the file really holds."""
+def llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    """What llama.cpp's converter writes for a Llama 3 rope scaling: one divisor per rotary frequency."""
+    s = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (s["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    old, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"],
+                              s["factor"])
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(path: str, hf_model, tokenizer_dir: str, eot: int | None = None) -> dict[str, torch.Tensor]:
+    """Write `hf_model` as a llama GGUF the way llama.cpp does (q/k rows permuted, weights quantized, a
+    Llama 3 rope scaling as per-frequency factors); return the HF-named, dequantized tensors the file holds."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -44,7 +64,10 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tenso
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg))
     with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
         tk = json.load(f)
     vocab = sorted(tk["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -56,6 +79,8 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tenso
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
 
     ref: dict[str, torch.Tensor] = {}
@@ -87,16 +112,21 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str) -> dict[str, torch.Tenso
     return ref
 
 
-def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path):
-    hf = build_hf_model("llama-plain", seed=3)
+@pytest.mark.parametrize("family", ["llama-plain", "llama"])
+def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path, family):
+    """"llama": Llama 3's rope scaling, which a GGUF file holds as one divisor per frequency (rope_freqs).
+    The file names an end-of-turn token as well, at which generation stops as at its EOS."""
+    hf = build_hf_model(family, seed=3)
     make_tokenizer_files(str(tmp_path))
     path = str(tmp_path / "tiny.gguf")
-    ref = write_gguf(path, hf, str(tmp_path))
+    ref = write_gguf(path, hf, str(tmp_path), eot=7)
     assert any(t.tensor_type == Q.Q4_1 for t in gguf.GGUFReader(path).tensors)
+    assert any(t.name == "rope_freqs.weight" for t in gguf.GGUFReader(path).tensors) == (family == "llama")
 
     engine = Engine(model_path=path, max_total_tokens=2048)
     ours = dict(engine.model.named_parameters())
     c = engine.config
+    assert c.eos_token_ids == (2, 7)
     for i in range(c.num_hidden_layers):
         q, k, v = ours[f"layers.{i}.self_attn.qkv_proj.weight"].split([c.q_size, c.kv_size, c.kv_size])
         assert torch.equal(q, ref[f"model.layers.{i}.self_attn.q_proj.weight"])
@@ -106,11 +136,12 @@ def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path):
     assert torch.equal(ours["embed_tokens.weight"], ref["model.embed_tokens.weight"])
 
     # The same model in transformers, given the dequantized tensors, predicts what ours predicts.
-    hf_deq = build_hf_model("llama-plain", seed=3)
+    hf_deq = build_hf_model(family, seed=3)
     hf_deq.load_state_dict({**hf_deq.state_dict(), **ref})
     seen = record_logits(engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    req = engine.add_request([5, 9, 200, 13, 77, 31, 400], params)
+    prompt = [5, 9, 200, 13, 77, 31, 400] * 12
+    req = engine.add_request(prompt, params)
     while engine.has_work():
         engine.step()
     with torch.no_grad():
@@ -153,20 +184,24 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert not np.array_equal(permute_rope(w, 4), w)
 
 
-def _kquant_bytes(rows: int, cols: int, qtype, rng) -> np.ndarray:
-    """Random but valid K-quant blocks (gguf-py cannot quantize to these; it can dequantize them)."""
-    block_bytes = {Q.Q4_K: 144, Q.Q6_K: 210}[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
-    scale = np.full((rows, cols // 256), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // 256, 2)
-    if qtype == Q.Q4_K:  # d and dmin lead the block
-        raw[..., 0:2] = scale
-        raw[..., 2:4] = scale
-    else:  # Q6_K: d ends the block
-        raw[..., -2:] = scale
+# Where each block keeps its float16 scales (d, and dmin where there is one), for the types gguf-py can
+# dequantize but not quantize.
+_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+                  Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+
+
+def _random_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random but valid blocks: random bytes, with small finite scales where the block keeps them."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    scale = np.full((rows, cols // block), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    for at in _SCALE_OFFSETS[qtype]:
+        raw[..., at:at + 2] = scale
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "BF16", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1", "F16",
+                                   "BF16", "Q4_0"])
 def test_other_tensor_types_load_as_gguf_dequantizes_them(tmp_path, qtype):
     """Each supported type reaches the model exactly as gguf-py dequantizes it (256-wide rows for K-quants)."""
     import transformers as tf
@@ -204,8 +239,8 @@ def test_other_tensor_types_load_as_gguf_dequantizes_them(tmp_path, qtype):
             w.add_tensor(gname, data)
             expect[name] = data
             continue
-        if qt in (Q.Q4_K, Q.Q6_K):
-            stored = _kquant_bytes(data.shape[0], data.shape[1], qt, rng)
+        if qt in _SCALE_OFFSETS:
+            stored = _random_blocks(data.shape[0], data.shape[1], qt, rng)
         else:
             stored = gguf.quants.quantize(data, qt)
         w.add_tensor(gname, stored, raw_dtype=qt)
