@@ -21,7 +21,7 @@ from engine.env import Env
 
 logger = logging.getLogger(__name__)
 
-# 2: rope frequency factors, end-of-turn tokens among the EOS ids.
+# 2: rope frequency factors, end-of-turn tokens among the EOS ids, add_bos_token from the file.
 CACHE_FORMAT = 2
 
 # GGUF architecture name -> HF model_type.
@@ -196,8 +196,9 @@ class GGUFModel:
             "bos_token": tokens[bos] if bos is not None else None,
             "eos_token": tokens[eos] if eos is not None else None,
             "chat_template": self._field("tokenizer.chat_template"),
-            # Byte-level BPE vocabularies take no BOS unless their tokenizer.json says so (as transformers).
-            "add_bos_token": False,
+            # Whether a prompt starts with BOS, as the file says (llama.cpp reads the same key): Llama 3 files
+            # say so, as Llama 3's own tokenizer.json does; chat templates write their BOS themselves.
+            "add_bos_token": bool(self._field("tokenizer.ggml.add_bos_token", False)),
         }
         return json.loads(tk.to_str()), tk_config
 

@@ -52,7 +52,8 @@ def llama_cpp_rope_freqs(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: str, hf_model, tokenizer_dir: str, eot: int | None = None) -> dict[str, torch.Tensor]:
+def write_gguf(path: str, hf_model, tokenizer_dir: str, eot: int | None = None,
+               add_bos: bool | None = None) -> dict[str, torch.Tensor]:
     """Write `hf_model` as a llama GGUF the way llama.cpp does (q/k rows permuted, weights quantized, a
     Llama 3 rope scaling as per-frequency factors); return the HF-named, dequantized tensors the file holds."""
     cfg = hf_model.config
@@ -81,6 +82,8 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str, eot: int | None = None) 
     w.add_eos_token_id(2)
     if eot is not None:
         w.add_eot_token_id(eot)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
 
     ref: dict[str, torch.Tensor] = {}
@@ -114,12 +117,13 @@ def write_gguf(path: str, hf_model, tokenizer_dir: str, eot: int | None = None) 
 
 @pytest.mark.parametrize("family", ["llama-plain", "llama"])
 def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path, family):
-    """"llama": Llama 3's rope scaling, which a GGUF file holds as one divisor per frequency (rope_freqs).
-    The file names an end-of-turn token as well, at which generation stops as at its EOS."""
+    """"llama": Llama 3's rope scaling, which a GGUF file holds as one divisor per frequency (rope_freqs), and
+    a BOS at the start of every prompt, as the file asks. Both files name an end-of-turn token, at which
+    generation stops as at EOS."""
     hf = build_hf_model(family, seed=3)
     make_tokenizer_files(str(tmp_path))
     path = str(tmp_path / "tiny.gguf")
-    ref = write_gguf(path, hf, str(tmp_path), eot=7)
+    ref = write_gguf(path, hf, str(tmp_path), eot=7, add_bos=family == "llama")
     assert any(t.tensor_type == Q.Q4_1 for t in gguf.GGUFReader(path).tensors)
     assert any(t.name == "rope_freqs.weight" for t in gguf.GGUFReader(path).tensors) == (family == "llama")
 
@@ -154,6 +158,9 @@ def test_quantized_gguf_loads_as_its_dequantized_reference(tmp_path, family):
     # The tokenizer came out of the GGUF metadata: it round-trips text like the original.
     text = "The quick brown fox"
     assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+    assert (engine.tokenizer.encode(text)[0] == 1) == (family == "llama")
+    chat = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    assert chat[0] == 1 and chat[1] != 1  # the template's own BOS, not a second one
     assert_pool_clean(engine)
 
 
