@@ -18,10 +18,11 @@ import torch
 
 from engine.config import ModelConfig
 from engine.env import Env
+from engine.gguf_tokenizer import tokenizer_files
 
 logger = logging.getLogger(__name__)
 
-# 2: rope frequency factors, end-of-turn tokens among the EOS ids, add_bos_token from the file.
+# 2: rope frequency factors, end-of-turn tokens among the EOS ids, add_bos_token from the file, SentencePiece.
 CACHE_FORMAT = 2
 
 # GGUF architecture name -> HF model_type.
@@ -47,13 +48,6 @@ SUPPORTED_QUANT = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q6_K", "IQ4_NL", "IQ4_XS")
 # Tensors that describe the model rather than weigh it.
 _ROPE_FREQS = "rope_freqs.weight"
-
-# Pre-tokenizer regexes by `tokenizer.ggml.pre`, for byte-level BPE vocabularies.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF's half-split layout)."""
@@ -161,46 +155,7 @@ class GGUFModel:
 
     def tokenizer_files(self) -> tuple[dict, dict]:
         """(tokenizer.json, tokenizer_config.json) contents built from the GGUF vocabulary."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-        kind = self._field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{self.path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-                             f"'gpt2'); pass a tokenizer directory with tokenizer.json instead")
-        tokens = self._field("tokenizer.ggml.tokens")
-        types = self._field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
-        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        pre = self._field("tokenizer.ggml.pre", "default")
-        if pre in ("llama-bpe", "llama3"):
-            split = _LLAMA3_SPLIT
-        elif pre in ("qwen2", "deepseek-r1-qwen"):
-            split = _QWEN2_SPLIT
-        else:
-            split = None
-        if split is None:
-            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            tk.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-        tk.decoder = decoders.ByteLevel()
-        # Control (3) and user-defined (4) tokens must match whole in text, never be split by BPE.
-        special = [AddedToken(tokens[i], special=types[i] == 3, normalized=False)
-                   for i in range(len(tokens)) if types[i] in (3, 4)]
-        tk.add_tokens(special)
-        bos = self._field("tokenizer.ggml.bos_token_id")
-        eos = self._field("tokenizer.ggml.eos_token_id")
-        tk_config = {
-            "bos_token": tokens[bos] if bos is not None else None,
-            "eos_token": tokens[eos] if eos is not None else None,
-            "chat_template": self._field("tokenizer.chat_template"),
-            # Whether a prompt starts with BOS, as the file says (llama.cpp reads the same key): Llama 3 files
-            # say so, as Llama 3's own tokenizer.json does; chat templates write their BOS themselves.
-            "add_bos_token": bool(self._field("tokenizer.ggml.add_bos_token", False)),
-        }
-        return json.loads(tk.to_str()), tk_config
+        return tokenizer_files(self._field, self.path)
 
 
 def _cache_dir(path: str) -> str:

@@ -267,3 +267,65 @@ def test_other_tensor_types_load_as_gguf_dequantizes_them(tmp_path, qtype):
     assert torch.equal(ours["layers.0.mlp.down_proj.weight"], torch.from_numpy(expect["model.layers.0.mlp.down_proj.weight"]))
     assert torch.equal(ours["embed_tokens.weight"], torch.from_numpy(expect["model.embed_tokens.weight"]))
     assert engine.config.tie_word_embeddings
+
+
+def _write_sentencepiece_gguf(path: str) -> None:
+    """A SentencePiece BPE vocabulary as llama.cpp stores one (Llama 2, Mistral 7B): <unk>, control tokens,
+    the 256 byte tokens, then pieces with scores that fall with their rank; no merges."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from conftest import CORPUS
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
+    pieces = [t for t, _ in sorted(tk.get_vocab().items(), key=lambda kv: kv[1]) if t != "<unk>"]
+    tokens = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (5 + 256) + [-float(i) for i in range(len(pieces))]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers_reads_the_file(tmp_path):
+    """A SentencePiece GGUF (no merges, scores instead) gives the tokenizer transformers builds from the same
+    file: the same ids for plain text, spaces, text outside the vocabulary (as byte tokens) and control
+    tokens; BOS first, since the file does not say otherwise; and text back from ids."""
+    from transformers import AutoTokenizer
+
+    from engine.gguf_file import GGUFModel
+    from engine.tokenizer import Tokenizer
+
+    _write_sentencepiece_gguf(str(tmp_path / "spm.gguf"))
+    tk_json, tk_config = GGUFModel(str(tmp_path / "spm.gguf")).tokenizer_files()
+    ours_dir = tmp_path / "ours"
+    ours_dir.mkdir()
+    (ours_dir / "tokenizer.json").write_text(json.dumps(tk_json))
+    (ours_dir / "tokenizer_config.json").write_text(json.dumps(tk_config))
+    ours = Tokenizer(str(ours_dir))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Paged attention keeps the KV cache in fixed-size pages",
+        "  two leading spaces,   three inside, and a trailing one ",
+        "def add(a, b):\n    return a + b\n",
+        "Zwölf Boxkämpfer 東京 🚀 — outside the vocabulary",
+        "[INST] what is paged attention? [/INST]",
+    ]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ids[0] == 1 and ids.count(1) == 1
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.decode(ours.encode(texts[4])) == texts[4]  # byte tokens fuse back into the characters
+    assert 3 in ours.encode(texts[5]) and 4 in ours.encode(texts[5])  # control tokens match whole
