@@ -1,8 +1,12 @@
 """GGUF checkpoints: config, tokenizer and (dequantized) weights, converted once into a cached HF directory.
 
 Parsing a GGUF file and dequantizing it costs seconds; the converted directory (config.json, tokenizer.json,
-tokenizer_config.json, model.safetensors) loads in well under one. The cache key is the file's path, size and
-mtime plus a format version, so a changed file is converted again.
+tokenizer_config.json, safetensors shards and their index) loads in well under one. The cache key is the
+file's path, size and mtime plus a format version, so a changed file is converted again.
+
+Quantized tensors are kept in float32, the only format that holds every dequantized value exactly (a block's
+float16 scale times its integers), so an 8B Q4_K_M file converts to 32 GB on disk; F16 and BF16 tensors keep
+their type. Conversion holds one shard (SHARD_BYTES) in memory at a time, not the whole model.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from engine.gguf_tokenizer import tokenizer_files
 
 logger = logging.getLogger(__name__)
 
-# 2: rope frequency factors, end-of-turn tokens among the EOS ids, add_bos_token from the file, SentencePiece.
+# 2: rope frequency factors, end-of-turn tokens among the EOS ids, add_bos_token from the file, SentencePiece;
+# shards; F16 and BF16 kept as such.
 CACHE_FORMAT = 2
+SHARD_BYTES = 2 << 30
+_INDEX = "model.safetensors.index.json"
 
 # GGUF architecture name -> HF model_type.
 _ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -120,7 +127,8 @@ class GGUFModel:
         )
 
     def tensors(self):
-        """(HF name, float32 tensor) for every tensor, dequantized, q/k rows in HF order."""
+        """(HF name, tensor) for every tensor, dequantized (F16 and BF16 as they are, the rest in float32), q/k
+        rows in HF order."""
         from gguf import GGMLQuantizationType, quants
 
         cfg = self.config()
@@ -141,7 +149,10 @@ class GGUFModel:
                 data = unpermute_rope(data, cfg.num_attention_heads)
             elif permuted and name.endswith("k_proj.weight"):
                 data = unpermute_rope(data, cfg.num_key_value_heads)
-            yield name, torch.from_numpy(np.array(data, copy=True, order="C"))
+            tensor = torch.from_numpy(np.array(data, copy=True, order="C"))
+            if qtype.name in ("F16", "BF16"):  # exact: the values came from this type
+                tensor = tensor.to(torch.float16 if qtype.name == "F16" else torch.bfloat16)
+            yield name, tensor
 
     @staticmethod
     def _hf_name(name: str) -> str:
@@ -165,32 +176,59 @@ def _cache_dir(path: str) -> str:
     return os.path.join(Env.cache_dir(), "gguf", digest)
 
 
-def convert_gguf(path: str) -> str:
+def convert_gguf(path: str, shard_bytes: int = SHARD_BYTES) -> str:
     """Return an HF-style directory holding the GGUF model, converting it on first use."""
-    from safetensors.torch import save_file
-
     out = _cache_dir(path)
-    if os.path.exists(os.path.join(out, "model.safetensors")):
+    if os.path.exists(os.path.join(out, _INDEX)):
         return out
     logger.info("converting %s into %s (once)", path, out)
     model = GGUFModel(path)
     cfg = model.config()
-    tensors = dict(model.tensors())
     tk_json, tk_config = model.tokenizer_files()
     os.makedirs(os.path.dirname(out), exist_ok=True)
     # Write into a temporary directory and rename, so a crash never leaves a half-written cache.
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
-    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-        json.dump(tk_json, f)
-    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-        json.dump(tk_config, f)
-    save_file(tensors, os.path.join(tmp, "model.safetensors"))
     try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg.to_hf_dict(), f)
+        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            json.dump(tk_json, f)
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump(tk_config, f)
+        write_shards(model.tensors(), tmp, shard_bytes)
         os.rename(tmp, out)
-    except OSError:  # another process converted it meanwhile
+    except OSError:
+        if not os.path.exists(os.path.join(out, _INDEX)):
+            raise
+    finally:  # gone after the rename; still here if another process converted it meanwhile or this failed
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def write_shards(tensors, directory: str, shard_bytes: int) -> None:
+    """Safetensors files of at most shard_bytes each (or one tensor, if larger) and their index, written as
+    the tensors come."""
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(directory, name))
+        weight_map.update(dict.fromkeys(shard, name))
+
+    for name, t in tensors:
+        if shard and size + t.nbytes > shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
+        size += t.nbytes
+        total += t.nbytes
+    if shard:
+        flush()
+    with open(os.path.join(directory, _INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)

@@ -329,3 +329,33 @@ def test_sentencepiece_vocabulary_tokenizes_as_transformers_reads_the_file(tmp_p
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.decode(ours.encode(texts[4])) == texts[4]  # byte tokens fuse back into the characters
     assert 3 in ours.encode(texts[5]) and 4 in ours.encode(texts[5])  # control tokens match whole
+
+
+def test_conversion_writes_shards_of_bounded_size_that_hold_every_tensor(tmp_path, monkeypatch):
+    """A large file converts a shard at a time: each shard within the bound (or one tensor), the index
+    naming each tensor's shard, every tensor as the file dequantizes it, and the engine loading the shards."""
+    from engine.gguf_file import GGUFModel, convert_gguf
+    from engine.weights import iter_safetensors
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    make_tokenizer_files(str(tmp_path))
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, build_hf_model("llama", seed=4), str(tmp_path))
+    bound = 64 << 10
+    out = convert_gguf(path, shard_bytes=bound)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) > 3
+    assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == shards
+    converted = dict(iter_safetensors(out))
+    for shard in shards:
+        held = [converted[n] for n, s in weight_map.items() if s == shard]
+        assert len(held) == 1 or sum(t.nbytes for t in held) <= bound
+    expect = dict(GGUFModel(path).tensors())
+    assert converted.keys() == expect.keys() == weight_map.keys()
+    assert all(torch.equal(converted[n], expect[n]) for n in expect)
+    assert convert_gguf(path) == out  # converted once
+    assert not [n for n in os.listdir(os.path.dirname(out)) if n != os.path.basename(out)]  # nothing left over
+    engine = Engine(model_path=path, max_total_tokens=512)
+    assert torch.equal(engine.model.embed_tokens.weight, expect["model.embed_tokens.weight"])
