@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from engine import checkpoint_quant
 from engine.config import ModelConfig
 from engine.model import CausalLM
 from engine.parallel import TensorParallel
@@ -63,17 +64,30 @@ def resolve_model_dir(model_path: str | None) -> str:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
                dummy: bool = False) -> CausalLM:
-    config = ModelConfig.from_dir(model_dir)
-    return build_model(config, dtype, device, tp, None if dummy else model_dir)
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    config = ModelConfig.from_hf_dict(raw)
+    fp8 = checkpoint_quant.read(raw)
+    if fp8 is not None and dummy:
+        raise ValueError("--load-format dummy builds unquantized random weights; this checkpoint is quantized "
+                         "(use --quantization fp8 on an unquantized one instead)")
+    return build_model(config, dtype, device, tp, None if dummy else model_dir, fp8=fp8)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device, tp: TensorParallel | None = None,
-                weights_dir: str | None = None, seed: int = 0) -> CausalLM:
-    """The model with the checkpoint's weights from `weights_dir`, or random ones (`random_init`)."""
+                weights_dir: str | None = None, seed: int = 0,
+                fp8: checkpoint_quant.Fp8Checkpoint | None = None) -> CausalLM:
+    """The model with the checkpoint's weights from `weights_dir`, or random ones (`random_init`); `fp8`:
+    the checkpoint's projections are FP8 (engine/checkpoint_quant.py)."""
     with torch.device("meta"):
-        model = CausalLM(config, tp)
+        model = CausalLM(config, tp).to(dtype)
+        if fp8 is not None:  # after the cast, which would widen their FP8 buffers
+            n = checkpoint_quant.install(model, fp8)
+            logger.info("FP8 checkpoint (%s): %d of %d projections in FP8", fp8.method, n, 4 * len(model.layers))
     # Build without initialising (the checkpoint overwrites everything), then fill.
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device)
     if weights_dir is not None:
         model.load_weights(iter_safetensors(weights_dir))
     else:

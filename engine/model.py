@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import checkpoint_quant
 from engine.config import ModelConfig
 from engine.env import Env
 from engine.parallel import TensorParallel
+from kernels.fp8_linear import FP8, Fp8Linear
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 from kernels.gemv import available as gemv_available
 from kernels.gemv import TokenSquares, gemv
@@ -339,6 +341,8 @@ class CausalLM(nn.Module):
         c = self.config
         params = dict(self.named_parameters())
         shard_sizes = {"qkv_proj": [c.q_size, c.kv_size, c.kv_size], "gate_up_proj": [c.intermediate_size] * 2}
+        # Projections of an FP8 checkpoint (engine/checkpoint_quant.py): their weights and scales are buffers.
+        fp8 = {n: m for n, m in self.named_modules() if isinstance(m, Fp8Linear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.startswith("model."):
@@ -352,6 +356,21 @@ class CausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in self._MERGED:
                 merged, shard = self._MERGED[parts[-2]]
                 target = ".".join(parts[:-2] + [merged, parts[-1]])
+            module_name, _, leaf = target.rpartition(".")
+            if module_name in fp8 and leaf != "bias":
+                if leaf == "weight" or (leaf == "weight_scale" and tensor.numel() > 1):
+                    tensor = self._shard(target, shard, tensor if leaf == "weight" else tensor.reshape(-1))
+                rows = None
+                if shard is not None:
+                    sizes = shard_sizes[module_name.split(".")[-1]]
+                    rows = (sum(sizes[:shard]), sizes[shard])
+                what = checkpoint_quant.load(fp8[module_name], name, leaf, rows, tensor)
+                if what is not None:
+                    loaded.add(f"{module_name}.{what}#{shard or 0}")
+                continue
+            if tensor.dtype == FP8 or name.endswith(("_scale", "_scale_inv")):
+                raise ValueError(f"checkpoint tensor {name!r}: quantized where this model is not (served: "
+                                 f"{checkpoint_quant.SERVED}, not for the embedding or the LM head)")
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {c.model_type} model")
             param = params[target]
@@ -365,7 +384,8 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
-        expected = set()
+        expected = {f"{n}.{what}#{i}" for n in fp8 for what in ("weight", "weight_scale")
+                    for i in range(len(shard_sizes.get(n.split(".")[-1], [0])))}
         for pname in params:
             merged = pname.split(".")[-2] if "." in pname else ""
             if merged in shard_sizes:

@@ -37,17 +37,32 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """A projection with e4m3 weights and a float32 scale per output row. Built empty (an FP8 checkpoint's
+    tensors are loaded into it: engine/checkpoint_quant.py) or by `from_linear`, which quantizes one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None = None, device=None):
         super().__init__()
-        q, scale = quantize_per_channel(linear.weight.data)
         # Stored transposed ([in, out], column-major for the matmul), as _scaled_mm wants its second operand.
-        self.register_buffer("weight_t", q.t())
-        self.register_buffer("scale", scale[None, :].contiguous())
-        self.bias = linear.bias
-        self.out_features, self.in_features = linear.weight.shape
+        self.register_buffer("weight_t", torch.empty(out_features, in_features, dtype=FP8, device=device).t())
+        self.register_buffer("scale", torch.ones(1, out_features, dtype=torch.float32, device=device))
+        self.bias = bias
+        self.out_features, self.in_features = out_features, in_features
         # The one-token GEMV's counters when it splits K (kernels/gemv.py): one per block of >= 4 rows.
-        self.register_buffer("counters", torch.zeros(-(-self.out_features // 4), dtype=torch.int32,
-                                                     device=q.device), persistent=False)
+        self.register_buffer("counters", torch.zeros(-(-out_features // 4), dtype=torch.int32, device=device),
+                             persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        q, scale = quantize_per_channel(linear.weight.data)
+        m = cls(linear.in_features, linear.out_features, linear.bias, device=q.device)
+        m.weight_t = q.t()
+        m.scale = scale[None, :].contiguous()
+        return m
+
+    @property
+    def weight_rows(self) -> torch.Tensor:
+        """The FP8 weight as [out, in] (a view)."""
+        return self.weight_t.t()
 
     def forward(self, x: torch.Tensor, glu: bool = False, norm=None,
                 residual: torch.Tensor | None = None, rope=None, squares=None, next_norm=None) -> torch.Tensor:
@@ -137,7 +152,7 @@ def quantize_model(model: nn.Module, lm_head: bool = False) -> int:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, Fp8Linear(child))
+                    setattr(parent, name, Fp8Linear.from_linear(child))
                     count += 1
     if lm_head:
         head = getattr(model, "lm_head", None)
@@ -145,6 +160,6 @@ def quantize_model(model: nn.Module, lm_head: bool = False) -> int:
             head = nn.Linear(model.embed_tokens.weight.shape[1], model.embed_tokens.weight.shape[0], bias=False,
                              device="meta")
             head.weight = model.embed_tokens.weight
-        model.lm_head = Fp8Linear(head)
+        model.lm_head = Fp8Linear.from_linear(head)
         count += 1
     return count

@@ -1,0 +1,130 @@
+"""Checkpoints whose weights are quantized already: which ones are served, and where their tensors go.
+
+FP8 (e4m3) weights with one scale per tensor or per output channel are served as they are, by the same
+projections that `--quantization fp8` makes (kernels/fp8_linear.py), whichever tool wrote them:
+compressed-tensors ("float-quantized": llm-compressor's FP8 and FP8-dynamic checkpoints), vLLM's "fp8"
+serialization and fbgemm_fp8. A per-tensor scale becomes the scale of each of its rows, so q, k and v (and
+gate and up) with scales of their own still load into one merged projection, exactly. Activation scales
+that a checkpoint carries for static quantization are not used: activations are quantized per token as
+they come (or not at all, for the weight-only kernels of small batches), which is at least as exact.
+
+Everything else is refused with the reason: block-wise FP8 scales, integer formats (AWQ, GPTQ, bitsandbytes),
+a quantized LM head or embedding, and q/k/v or gate/up quantized differently from each other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.fp8_linear import FP8, Fp8Linear
+
+SERVED = "FP8 weights with a scale per tensor or per output channel (compressed-tensors, fp8, fbgemm_fp8)"
+# Our projections, and the checkpoint's linears that load into each.
+_PROJECTIONS = {
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("self_attn", "o_proj"): ("o_proj",),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+    ("mlp", "down_proj"): ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    method: str
+    # Linears left in the model's dtype: full names ("lm_head", "model.layers.0.mlp.down_proj"), or
+    # regular expressions after "re:" matched from a name's start (compressed-tensors' convention).
+    ignore: tuple[str, ...] = ()
+
+    def quantized(self, name: str) -> bool:
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], name):
+                    return False
+            elif name == entry or name.startswith(entry + "."):
+                return False
+        return True
+
+
+def read(config: dict) -> Fp8Checkpoint | None:
+    """The FP8 checkpoint that config.json describes, None for an unquantized one; ValueError for a
+    quantization that is not served."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+
+    def refuse(why: str):
+        raise ValueError(f"checkpoint quantization {method!r}: {why}; served: {SERVED}")
+
+    if method == "compressed-tensors":
+        if qc.get("format") not in ("float-quantized", "naive-quantized"):
+            refuse(f"format {qc.get('format')!r}")
+        for name, group in (qc.get("config_groups") or {}).items():
+            w = group.get("weights") or {}
+            if (w.get("type"), w.get("num_bits")) != ("float", 8):
+                refuse(f"group {name} has {w.get('num_bits')}-bit {w.get('type')} weights")
+            if w.get("strategy") not in ("tensor", "channel") or w.get("block_structure") or w.get("group_size"):
+                refuse(f"group {name} has weight scales by {w.get('strategy')}")
+            if any(t != "Linear" for t in group.get("targets") or ()):
+                refuse(f"group {name} targets {group.get('targets')}")
+        return Fp8Checkpoint(method, tuple(qc.get("ignore") or ()))
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            refuse(f"block-wise scales {qc['weight_block_size']}")
+        return Fp8Checkpoint(method, tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+    if method == "fbgemm_fp8":
+        return Fp8Checkpoint(method, tuple(qc.get("modules_to_not_convert") or ()))
+    refuse("not an FP8 format")
+
+
+def install(model: nn.Module, spec: Fp8Checkpoint) -> int:
+    """Replace the decoder's linears that the checkpoint quantized with empty Fp8Linears (on the model's
+    device, meta while it is built); returns how many."""
+    count = 0
+    for i, layer in enumerate(model.layers):
+        for (part, ours), theirs in _PROJECTIONS.items():
+            kinds = {spec.quantized(f"model.layers.{i}.{part}.{t}") for t in theirs}
+            if len(kinds) > 1:
+                raise ValueError(f"layer {i}: {', '.join(theirs)} are not all quantized; they are served as one "
+                                 f"projection ({ours}), which takes one format")
+            if kinds.pop():
+                parent = getattr(layer, part)
+                linear = getattr(parent, ours)
+                setattr(parent, ours, Fp8Linear(linear.in_features, linear.out_features, linear.bias,
+                                                device=linear.weight.device))
+                count += 1
+    return count
+
+
+def load(module: Fp8Linear, name: str, leaf: str, rows: tuple[int, int] | None, tensor: torch.Tensor) -> str | None:
+    """Put a checkpoint tensor of an FP8 projection in place: its weight, or its scale (rows: where this
+    checkpoint linear's rows start in the merged projection, and how many). Returns what was loaded
+    ("weight" or "weight_scale"), or None for a tensor that is not used (static activation scales)."""
+    if leaf == "input_scale":
+        return None
+    start, size = rows if rows is not None else (0, module.out_features)
+    if leaf == "weight":
+        if tensor.dtype != FP8:
+            raise ValueError(f"{name}: {tensor.dtype} weights where the checkpoint's quantization says FP8 "
+                             f"(float8_e4m3fn)")
+        dst = module.weight_rows.narrow(0, start, size)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return leaf
+    if leaf == "weight_scale":
+        dst = module.scale.view(-1).narrow(0, start, size)
+        if tensor.numel() == 1:  # per tensor: the scale of each of its rows
+            dst.fill_(tensor.float().item())
+        elif tensor.numel() == size:  # per output channel ([out] or [out, 1])
+            dst.copy_(tensor.float().view(-1))
+        else:
+            raise ValueError(f"{name}: {tuple(tensor.shape)} scales for {size} rows (served: one per tensor or "
+                             f"one per row)")
+        return leaf
+    raise ValueError(f"{name}: an FP8 checkpoint tensor that is not served (served: weight, weight_scale, "
+                     f"input_scale)")
