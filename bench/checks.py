@@ -395,3 +395,57 @@ def sampled_rows(engine: Engine, label: str, t_greedy: float, rows: list, ctx: i
         rows.append((f"{label} batch-1 decode, {ctx} ctx, sampled at {name}: step ms (greedy ms)", t * 1e3,
                      t_greedy * 1e3, t_greedy / t, "(for comparison)"))
         print(rows[-1], flush=True)
+
+
+def fp8_checkpoint_check(model, backend: str, device, dtype, ctx: int, n: int = 32) -> tuple[int, float]:
+    """A copy of `model` quantized by --quantization fp8, written out as a compressed-tensors FP8 checkpoint
+    (per-channel scales) and loaded back through engine/checkpoint_quant.py: the same FP8 weights and scales
+    in the loaded model's buffers, so its greedy tokens and logits must be the quantized model's exactly.
+    Returns (how many of the n greedy tokens agree, max |logit difference| over them)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from engine.checkpoint_quant import Fp8Checkpoint
+    from engine.loader import build_model
+    from kernels.fp8_linear import Fp8Linear, quantize_model
+
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized)
+    c = quantized.config
+    parts = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (c.q_size, c.kv_size, c.kv_size)),
+             "gate_up_proj": (("gate_proj", "up_proj"), (c.intermediate_size,) * 2)}
+    tensors = {}
+    for name, module in quantized.named_modules():
+        if isinstance(module, Fp8Linear):
+            prefix, _, ours = name.rpartition(".")
+            names, sizes = parts.get(ours, ((ours,), (module.out_features,)))
+            rows = module.weight_rows.split(list(sizes))
+            scales = module.scale.view(-1).split(list(sizes))
+            biases = module.bias.split(list(sizes)) if module.bias is not None else [None] * len(names)
+            for theirs, w, s, b in zip(names, rows, scales, biases):
+                tensors[f"model.{prefix}.{theirs}.weight"] = w.contiguous().cpu()
+                tensors[f"model.{prefix}.{theirs}.weight_scale"] = s.reshape(-1, 1).cpu()
+                if b is not None:
+                    tensors[f"model.{prefix}.{theirs}.bias"] = b.contiguous().cpu()
+    for name, p in quantized.named_parameters():
+        if "_proj." not in name:  # embedding, norms, the head
+            tensors[f"model.{name}" if not name.startswith("lm_head") else name] = p.detach().cpu()
+    with tempfile.TemporaryDirectory(prefix="pdserve-fp8-ckpt-") as tmp:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        del tensors
+        loaded = build_model(c, dtype, device, weights_dir=tmp, fp8=Fp8Checkpoint("compressed-tensors", ("lm_head",)))
+    outs = []
+    for m in (quantized, loaded):
+        e = engine_for(m, backend, 8192, device, dtype)
+        seen = record_logits(e)
+        tokens = greedy_tokens(e, ctx, n)
+        outs.append((tokens, torch.cat(seen)))
+        del e
+    same = next((i for i, (a, b) in enumerate(zip(outs[0][0], outs[1][0])) if a != b), n)
+    diff = (outs[0][1] - outs[1][1]).abs().max().item() if same == n else float("nan")
+    del quantized, loaded
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return same, diff
+

@@ -22,7 +22,8 @@ import statistics
 import torch
 
 from bench.checks import (
-    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, truncation_rows, fp8_kv_capacity, fp8_kv_decode, fp8_kv_error, fp8_kv_outliers, graph_vs_eager, sampled_rows,
+    EXPERIMENTS, NARROW_EXPERIMENTS, correctness, draw_rows, truncation_rows, fp8_checkpoint_check, fp8_kv_capacity,
+    fp8_kv_decode, fp8_kv_error, fp8_kv_outliers, graph_vs_eager, sampled_rows,
     variant_rows)
 from bench.diagnostics import (
     diagnose, linear_diagnostics, profile_host, profile_step, sampling_aborts, tune_decode, tune_gemv)
@@ -289,6 +290,11 @@ def main() -> None:
                  NARROW_EXPERIMENTS if small.config.hidden_size <= small.fold_max_width else EXPERIMENTS)
     sampled_rows(e, sn, t_small, rows, ctx1, steps_small)
     del e
+    same, diff = fp8_checkpoint_check(small, fast, device, dtype, ctx1)
+    rows.append((f"{sn} FP8 checkpoint (compressed-tensors, per channel) loaded, vs --quantization fp8 of the same "
+                 f"weights: greedy tokens equal of 32 (max |logit difference|)", same, 32, same / 32, "== 32 (0.0)"))
+    rows.append((f"{sn} FP8 checkpoint, max |logit difference| over those steps", diff, None, None, "0.0"))
+    print(rows[-2:], flush=True)
     if small.config.attention_bias:  # last: it changes the model's biases
         scaled, unit, scales = fp8_kv_outliers(small, fast, device, dtype)
         rows.append((f"{sn} with K/V biases of 1,500 / 900, FP8 KV ({scales}): prompt + 24 decode steps' KV vs "
