@@ -6,6 +6,7 @@ rope scaling, sliding window), which is what lets one model implementation run t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -115,7 +116,17 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
-            return cls.from_hf_dict(json.load(f))
+            config = cls.from_hf_dict(json.load(f))
+        # Chat checkpoints often name their end-of-turn token only in generation_config.json (Llama 3:
+        # <|eot_id|> beside config.json's <|end_of_text|>); generation stops at either, as transformers stops.
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            more = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            ids = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in more)]))
+            config = dataclasses.replace(config, eos_token_ids=ids)
+        return config
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The inverse of `from_hf_dict`, used to cache converted GGUF models as plain HF directories."""

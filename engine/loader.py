@@ -66,10 +66,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: Ten
                dummy: bool = False) -> CausalLM:
     import json
 
+    config = ModelConfig.from_dir(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
-        raw = json.load(f)
-    config = ModelConfig.from_hf_dict(raw)
-    fp8 = checkpoint_quant.read(raw)
+        fp8 = checkpoint_quant.read(json.load(f))
     if fp8 is not None and dummy:
         raise ValueError("--load-format dummy builds unquantized random weights; this checkpoint is quantized "
                          "(use --quantization fp8 on an unquantized one instead)")

@@ -166,6 +166,24 @@ def test_stop_conditions(tiny_llama):
     assert_pool_clean(llm.engine)
 
 
+def test_an_end_of_turn_token_named_in_generation_config_stops_generation(tiny_llama, tmp_path):
+    """config.json names one EOS, generation_config.json another beside it (as Llama 3 chat checkpoints
+    do): generation stops at either."""
+    import json
+    import shutil
+
+    path, _ = tiny_llama
+    shutil.copytree(path, tmp_path / "model")
+    base = LLM(str(tmp_path / "model"), max_total_tokens=4096).generate({"prompt_token_ids": [40, 41, 42]}, GREEDY)[0]
+    turn_end = next(t for t in base.token_ids[3:] if t != 2)
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, turn_end]}))
+    llm = LLM(str(tmp_path / "model"), max_total_tokens=4096)
+    assert llm.engine.config.eos_token_ids == (2, turn_end)
+    out = llm.generate({"prompt_token_ids": [40, 41, 42]}, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(turn_end) + 1]
+    assert out.finish_reason == "stop"
+
+
 def test_seeded_sampling_does_not_depend_on_batch_company(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(path, max_total_tokens=4096)
