@@ -8,14 +8,19 @@ gate and up) with scales of their own still load into one merged projection, exa
 that a checkpoint carries for static quantization are not used: activations are quantized per token as
 they come (or not at all, for the weight-only kernels of small batches), which is at least as exact.
 
-Everything else is refused with the reason: block-wise FP8 scales, integer formats (AWQ, GPTQ, bitsandbytes),
-a quantized LM head or embedding, and q/k/v or gate/up quantized differently from each other.
+FP8 weights with block-wise scales (one per 128 x 128 tile: Qwen3's and DeepSeek's FP8 releases) are
+dequantized to the model's dtype as they load and served as an unquantized checkpoint would be: the FP8
+kernels here take one scale per row, and a block's scale is not one. They run, at bf16's memory and speed.
+
+Everything else is refused with the reason: integer formats (AWQ, GPTQ, bitsandbytes), group-wise scales, a
+quantized LM head or embedding, and q/k/v or gate/up quantized differently from each other.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,6 +43,8 @@ class Fp8Checkpoint:
     # Linears left in the model's dtype: full names ("lm_head", "model.layers.0.mlp.down_proj"), or
     # regular expressions after "re:" matched from a name's start (compressed-tensors' convention).
     ignore: tuple[str, ...] = ()
+    # (rows, columns) of the tiles that share a scale, for block-wise checkpoints (served dequantized).
+    block: tuple[int, int] | None = None
 
     def quantized(self, name: str) -> bool:
         for entry in self.ignore:
@@ -60,6 +67,7 @@ def read(config: dict) -> Fp8Checkpoint | None:
     def refuse(why: str):
         raise ValueError(f"checkpoint quantization {method!r}: {why}; served: {SERVED}")
 
+    block = None
     if method == "compressed-tensors":
         if qc.get("format") not in ("float-quantized", "naive-quantized"):
             refuse(f"format {qc.get('format')!r}")
@@ -67,15 +75,19 @@ def read(config: dict) -> Fp8Checkpoint | None:
             w = group.get("weights") or {}
             if (w.get("type"), w.get("num_bits")) != ("float", 8):
                 refuse(f"group {name} has {w.get('num_bits')}-bit {w.get('type')} weights")
-            if w.get("strategy") not in ("tensor", "channel") or w.get("block_structure") or w.get("group_size"):
+            if w.get("strategy") == "block" and len(w.get("block_structure") or ()) == 2:
+                block = tuple(int(b) for b in w["block_structure"])
+            elif w.get("strategy") not in ("tensor", "channel") or w.get("group_size"):
                 refuse(f"group {name} has weight scales by {w.get('strategy')}")
             if any(t != "Linear" for t in group.get("targets") or ()):
                 refuse(f"group {name} targets {group.get('targets')}")
-        return Fp8Checkpoint(method, tuple(qc.get("ignore") or ()))
+        return Fp8Checkpoint(method, tuple(qc.get("ignore") or ()), block)
     if method == "fp8":
         if qc.get("weight_block_size"):
-            refuse(f"block-wise scales {qc['weight_block_size']}")
-        return Fp8Checkpoint(method, tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+            if len(qc["weight_block_size"]) != 2:
+                refuse(f"block-wise scales {qc['weight_block_size']}")
+            block = tuple(int(b) for b in qc["weight_block_size"])
+        return Fp8Checkpoint(method, tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()), block)
     if method == "fbgemm_fp8":
         return Fp8Checkpoint(method, tuple(qc.get("modules_to_not_convert") or ()))
     refuse("not an FP8 format")
@@ -83,7 +95,9 @@ def read(config: dict) -> Fp8Checkpoint | None:
 
 def install(model: nn.Module, spec: Fp8Checkpoint) -> int:
     """Replace the decoder's linears that the checkpoint quantized with empty Fp8Linears (on the model's
-    device, meta while it is built); returns how many."""
+    device, meta while it is built); returns how many (none for a block-wise checkpoint, served dequantized)."""
+    if spec.block is not None:
+        return 0
     count = 0
     for i, layer in enumerate(model.layers):
         for (part, ours), theirs in _PROJECTIONS.items():
@@ -128,3 +142,33 @@ def load(module: Fp8Linear, name: str, leaf: str, rows: tuple[int, int] | None, 
         return leaf
     raise ValueError(f"{name}: an FP8 checkpoint tensor that is not served (served: weight, weight_scale, "
                      f"input_scale)")
+
+
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-wise FP8 checkpoint's tensors with each FP8 weight dequantized (float32), once both it and its
+    scales (`weight_scale`, or `weight_scale_inv` as transformers names them: the factor the FP8 values are
+    multiplied by) have come; static activation scales dropped; every other tensor as it is."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "input_scale":
+            continue
+        if leaf in ("weight_scale", "weight_scale_inv") or (leaf == "weight" and t.dtype == FP8):
+            pair = pending.setdefault(module, {})
+            pair["weight" if leaf == "weight" else "scale"] = t
+            if len(pair) == 2:
+                del pending[module]
+                yield f"{module}.weight", _dequantize(f"{module}.weight", pair["weight"], pair["scale"], block)
+            continue
+        yield name, t
+    if pending:
+        raise ValueError(f"FP8 weights or scales without their other half: {sorted(pending)[:4]}")
+
+
+def _dequantize(name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = q.shape
+    br, bc = block
+    if tuple(scale.shape) != (-(-rows // br), -(-cols // bc)):
+        raise ValueError(f"{name}: scales {tuple(scale.shape)} for a {rows} x {cols} weight in {br} x {bc} blocks")
+    full = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return q.float() * full

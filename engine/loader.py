@@ -82,13 +82,18 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device, tp: TensorParal
     the checkpoint's projections are FP8 (engine/checkpoint_quant.py)."""
     with torch.device("meta"):
         model = CausalLM(config, tp).to(dtype)
-        if fp8 is not None:  # after the cast, which would widen their FP8 buffers
+        if fp8 is not None and fp8.block is None:  # after the cast, which would widen their FP8 buffers
             n = checkpoint_quant.install(model, fp8)
             logger.info("FP8 checkpoint (%s): %d of %d projections in FP8", fp8.method, n, 4 * len(model.layers))
     # Build without initialising (the checkpoint overwrites everything), then fill.
     model = model.to_empty(device=device)
     if weights_dir is not None:
-        model.load_weights(iter_safetensors(weights_dir))
+        weights = iter_safetensors(weights_dir)
+        if fp8 is not None and fp8.block is not None:
+            logger.info("FP8 checkpoint (%s) with scales per %d x %d block: served dequantized to %s", fp8.method,
+                        *fp8.block, dtype)
+            weights = checkpoint_quant.dequantized(weights, fp8.block)
+        model.load_weights(weights)
     else:
         random_init(model, seed)
     model.rotary.build()

@@ -18,16 +18,24 @@ FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+BLOCK = [24, 48]  # (a tiny model's rows and columns are not all multiples of it: partial tiles at the edges)
+
+
 def quantization_config(method: str, strategy: str, ignore: list[str]) -> dict:
     if method == "compressed-tensors":  # as llm-compressor writes FP8 (static, per tensor) and FP8-dynamic
-        activations = ({"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True} if strategy == "channel"
+        activations = ({"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True} if strategy != "tensor"
                        else {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False})
+        weights = {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True, "dynamic": False}
+        if strategy == "block":
+            weights["block_structure"] = BLOCK
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ignore,
                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
-                                              "weights": {"type": "float", "num_bits": 8, "strategy": strategy,
-                                                          "symmetric": True, "dynamic": False}}}}
-    if method == "fp8":  # vLLM's serialization
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignore}
+                                              "weights": weights}}}
+    if method == "fp8":  # vLLM's serialization; with blocks, transformers' (Qwen3 and DeepSeek FP8 releases)
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignore}
+        if strategy == "block":
+            qc["weight_block_size"] = BLOCK
+        return qc
     return {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ignore, "activation_scale_ub": 1200.0}
 
 
@@ -48,6 +56,17 @@ def write_fp8_checkpoint(path: str, hf, method: str, strategy: str, ignore: list
             stored[name] = ref[name] = t.contiguous()
             continue
         w = t.float()
+        if strategy == "block":  # a scale per BLOCK tile, the edge tiles partial
+            br, bc = BLOCK
+            tiles = torch.nn.functional.pad(w, (0, -w.shape[1] % bc, 0, -w.shape[0] % br)).unflatten(0, (-1, br))
+            amax = tiles.unflatten(2, (-1, bc)).abs().amax(dim=(1, 3))
+            scale = (amax / 448.0).clamp(min=1e-12)
+            full = scale.repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+            q = (w / full).clamp(-448.0, 448.0).to(FP8)
+            stored[name] = q
+            stored[f"{module}.weight_scale_inv" if method == "fp8" else f"{module}.weight_scale"] = scale
+            ref[name] = q.float() * full
+            continue
         amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax()
         scale = (amax / 448.0).clamp(min=1e-12)
         q = (w / scale).clamp(-448.0, 448.0).to(FP8)
@@ -74,6 +93,8 @@ CASES = [
     ("qwen2", "compressed-tensors", "tensor", ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"]),
     ("llama", "fp8", "tensor", []),
     ("mistral", "fbgemm_fp8", "channel", ["lm_head", "model.layers.0.self_attn"]),
+    ("qwen2", "fp8", "block", ["lm_head"]),
+    ("llama", "compressed-tensors", "block", ["lm_head", "re:.*layers\\.0\\.mlp\\..*"]),
 ]
 
 
@@ -82,7 +103,8 @@ def test_fp8_checkpoint_serves_what_transformers_computes_with_its_weights(tmp_p
                                                                            ignore):
     """Each format's tensors land in the FP8 projections (q, k, v with scales of their own in one merged
     projection); the linears a checkpoint leaves out stay in the model's dtype; static activation scales
-    are not used; the tokens and logits are transformers' on the dequantized weights."""
+    are not used; block-wise scales are dequantized as they load; the tokens and logits are transformers'
+    on the dequantized weights."""
     from engine.checkpoint_quant import SERVED  # noqa: F401  (the module under test)
     from kernels.fp8_linear import Fp8Linear
 
@@ -93,7 +115,7 @@ def test_fp8_checkpoint_serves_what_transformers_computes_with_its_weights(tmp_p
     fp8 = [[isinstance(getattr(getattr(layer, part), proj), Fp8Linear)
             for part, proj in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
                                ("mlp", "down_proj"))] for layer in layers]
-    expect = [[True] * 4, [True] * 4]
+    expect = [[strategy != "block"] * 4 for _ in layers]
     if "model.layers.0.self_attn" in ignore:
         expect[0][:2] = [False, False]
     if any("down_proj" in i for i in ignore):
@@ -138,8 +160,10 @@ def test_fp8_checkpoint_is_refused_where_it_cannot_be_served(tmp_path):
 
     refusals = [
         ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq': not an FP8 format"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
-        (quantization_config("compressed-tensors", "block", []), "weight scales by block"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "block-wise scales"),
+        ({**quantization_config("compressed-tensors", "channel", []), "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "group", "group_size": 128}}}},
+         "weight scales by group"),
         (quantization_config("compressed-tensors", "channel", ["model.layers.0.self_attn.k_proj"]),
          "q_proj, k_proj, v_proj are not all quantized"),
     ]
