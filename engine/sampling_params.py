@@ -106,6 +106,8 @@ class SamplingParams:
              "logprobs", "must be an integer in [0, 20]")
         need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", "must be an integer in [0, 20]")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, flag), bool), flag, "must be a boolean")
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
              "logit_bias", "must map token ids to numbers in [-100, 100]")

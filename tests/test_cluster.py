@@ -422,6 +422,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400, None),
     ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "skip_special_tokens": 0.5}, 400, "skip_special_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),

@@ -130,7 +130,9 @@ def test_a_draw_never_takes_a_token_its_noise_cannot_give():
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_k", -3), ("n", 0),
-                                          ("logprobs", 50), ("max_tokens", 0), ("min_p", 2.0)])
+                                          ("logprobs", 50), ("max_tokens", 0), ("min_p", 2.0),
+                                          ("skip_special_tokens", 1), ("ignore_eos", "yes"),
+                                          ("include_stop_str_in_output", [])])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
