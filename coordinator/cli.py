@@ -51,10 +51,15 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
 def run_coordinator(ns) -> None:
     from coordinator.server import CoordinatorArgs, run_coordinator as run
 
-    run(CoordinatorArgs(host=ns.host, port=ns.port, zmq_host=ns.zmq_host, zmq_port=ns.zmq_port,
-                        model_path=ns.model_path, served_model_name=ns.served_model_name, redis_url=ns.redis_url,
-                        api_keys=tuple(ns.api_key), transfer_backend=ns.transfer_backend,
-                        admission_timeout_s=ns.admission_timeout, context_length=ns.context_length))
+    try:
+        args = CoordinatorArgs(host=ns.host, port=ns.port, zmq_host=ns.zmq_host, zmq_port=ns.zmq_port,
+                               model_path=ns.model_path, served_model_name=ns.served_model_name,
+                               redis_url=ns.redis_url, api_keys=tuple(ns.api_key),
+                               transfer_backend=ns.transfer_backend, admission_timeout_s=ns.admission_timeout,
+                               context_length=ns.context_length)
+    except ValueError as e:
+        raise SystemExit(f"pdserve coordinator: {e}") from None
+    run(args)
 
 
 def run_worker(ns, role: str) -> None:
@@ -103,11 +108,46 @@ def _gpu_plan(engine_argv: list[str], workers: int) -> list[list[str]]:
     return [["--base-gpu-id", str((k % per) * known.tp_size)] for k in range(workers)]
 
 
+def check_up(ns, engine_argv: list[str]) -> None:
+    """Refuse what would make a child exit at start, before any starts: the cluster's shape, the port, and the
+    engine flags every worker gets (parsed and validated as a worker will, so a typo is one line here instead
+    of a child's usage message and a cluster stopping)."""
+    def refuse(msg: str):
+        raise SystemExit(f"pdserve up: {msg}")
+
+    for name in ("prefill", "decode", "colocated"):
+        if getattr(ns, name) < 0:
+            refuse(f"--{name} must be >= 0, got {getattr(ns, name)}")
+    if ns.colocated == 0 and (ns.prefill < 1 or ns.decode < 1):
+        refuse(f"a disaggregated cluster needs at least one prefill and one decode worker, got --prefill "
+               f"{ns.prefill} --decode {ns.decode} (or ask for --colocated N)")
+    if not 1 <= ns.port <= 65535:
+        refuse(f"--port must be in [1, 65535], got {ns.port}")
+    p = argparse.ArgumentParser(prog="pdserve up", add_help=False)
+    _add_worker_args(p, "prefill")
+    try:
+        wns, unknown = p.parse_known_args(engine_argv)
+    except SystemExit:  # argparse has printed what is wrong
+        raise SystemExit(2) from None
+    if unknown:
+        refuse(f"unrecognized arguments: {' '.join(unknown)}")
+    if wns.tp_size > 1 and wns.dist_init_addr is None:
+        wns.dist_init_addr = "tcp://127.0.0.1:0"  # (each worker picks its own; only the others are checked)
+    try:
+        EngineArgs.from_cli_args(wns).kv_dtype
+    except ValueError as e:
+        refuse(str(e))
+
+
 def run_up(ns, engine_argv: list[str]) -> int:
     """Start a coordinator and workers as child processes; stop them all on Ctrl-C or when one dies."""
     from engine.loader import resolve_model_dir
 
-    resolve_model_dir(ns.model_path)  # convert a GGUF once, before every child wants it
+    check_up(ns, engine_argv)
+    try:
+        resolve_model_dir(ns.model_path)  # convert a GGUF once, before every child wants it
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pdserve up: {e}") from None
     zmq_port = _free_port(ns.host)
     me = [sys.executable, "-m", "coordinator.cli"]
     common = ["--model-path", ns.model_path] if ns.model_path else []

@@ -49,6 +49,16 @@ class CoordinatorArgs:
     admission_timeout_s: float = 30.0
     context_length: int | None = None
 
+    def __post_init__(self):
+        for name in ("port", "zmq_port"):
+            v = getattr(self, name)
+            if v is not None and not 1 <= v <= 65535:
+                raise ValueError(f"{name} must be in [1, 65535], got {v}")
+        if self.admission_timeout_s <= 0:
+            raise ValueError(f"admission_timeout_s must be > 0, got {self.admission_timeout_s}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+
 
 class Coordinator:
     def __init__(self, args: CoordinatorArgs):
@@ -477,5 +487,9 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 def run_coordinator(args: CoordinatorArgs) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+    try:
+        app = create_app(args)
+    except (ValueError, FileNotFoundError) as e:  # a model that cannot be served: say which, no traceback
+        raise SystemExit(f"pdserve coordinator: {e}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
 

@@ -88,6 +88,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if self.base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
         if self.tp_size > 1 and not self.dist_init_addr:

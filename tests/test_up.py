@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from cluster import ROOT, free_port
 
@@ -130,3 +131,23 @@ def test_tensor_parallel_workers_of_up_get_gpus_of_their_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="needs 2 GPUs"):
         _gpu_plan(["--tp", "2"], 1)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tp", "0"], "tp_size must be >= 1"),
+    (["--prefill", "0"], "at least one prefill and one decode worker"),
+    (["--decode", "-1"], "--decode must be >= 0"),
+    (["--port", "70000"], "--port must be in [1, 65535]"),
+    (["--kv-cache-dtype", "fp9"], "unknown kv_cache_dtype 'fp9'"),
+    (["--chunked-prefill-size", "0"], "chunked_prefill_size must be >= 1"),
+    (["--max-runing-requests", "8"], "unrecognized arguments: --max-runing-requests 8"),
+    (["--model-path", "/nowhere/model"], "neither a directory nor a .gguf file"),
+])
+def test_flags_no_worker_could_start_with_are_refused_before_any_child_starts(flags, says):
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", *flags], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve up: ") and says in last
+    assert "Traceback" not in r.stderr
+    assert "coordinator:" not in r.stderr and "engine ready" not in r.stderr  # no child got as far as starting
