@@ -136,19 +136,30 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             raise APIError(404, f"the model {p.model!r} does not exist; this server serves {co.model_name!r}",
                            "model", code="model_not_found")
 
+    def fits(text: str, param: str) -> str:
+        """A text longer than any that encodes within the context is refused untokenized: a prompt of megabytes
+        would otherwise hold a thread for seconds, only to be refused then."""
+        most = co.tokenizer.max_chars(co.context_length)
+        if most is not None and len(text) > most:
+            raise APIError(400, f"This model's maximum context length is {co.context_length} tokens; a prompt of "
+                                f"{len(text)} characters is longer than any of that many tokens of this "
+                                f"tokenizer. Please reduce the prompt.", param, code="context_length_exceeded")
+        return text
+
     def encode(p: ParsedRequest, prompt) -> list[int]:
         if p.messages is not None:
             try:
-                ids = co.tokenizer.encode_chat(p.messages)
+                text = co.tokenizer.apply_chat_template(p.messages)
             except Exception as e:  # a template that raises on these messages
                 raise APIError(400, f"chat template: {e}", "messages") from None
+            ids = co.tokenizer.encode(fits(text, "messages"), add_special_tokens=False)
         elif isinstance(prompt, list):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < co.tokenizer.vocab_size]
             if bad:
                 raise APIError(400, f"token ids out of the vocabulary: {bad[:3]}", "prompt")
         else:
-            ids = co.tokenizer.encode(prompt)
+            ids = co.tokenizer.encode(fits(prompt, "prompt"))
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
@@ -197,7 +208,9 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         """Every choice placed on workers, or none: if one cannot be (or the client leaves meanwhile), those
         that were are freed. The samples of one prompt go to the workers of its first, once its first token is
         out (SHARED_PROMPT_WAIT): the prompt is computed and sent once, and shared on the decode worker."""
-        jobs = choices(p)
+        # Templates and tokenization run beside the event loop (the tokenizer lets go of the GIL), so that a
+        # long prompt does not stall every stream this process serves.
+        jobs = await asyncio.to_thread(choices, p)
         if len(jobs) == 1:
             return [await start_one(*jobs[0])]
         placed: list[Generation] = []

@@ -43,8 +43,35 @@ class Tokenizer:
                 template = f.read()
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._longest_entry: int | None = None  # (max_chars)
+        self._growth = 0
         self.chat_template = template
         self._template = _compile(template) if template else None
+
+    def max_chars(self, tokens: int) -> int | None:
+        """The longest text that can encode to at most `tokens` tokens (None: no bound known), so that a prompt
+        longer than any that fits the context is refused without tokenizing it. No token stands for more
+        characters than its vocabulary entry has (byte-level entries hold a character per byte, byte-fallback
+        entries six for one). Unicode composition in a normalizer joins at most a few code points into one;
+        normalizers that delete characters leave no bound."""
+        if self._longest_entry is None:
+            norm = json.loads(self.tk.to_str()).get("normalizer")
+            deleting = False
+
+            def walk(n):
+                nonlocal deleting
+                if isinstance(n, dict):
+                    kind = n.get("type")
+                    deleting |= kind in ("StripAccents", "Strip", "BertNormalizer", "Precompiled") or (
+                        kind == "Replace" and n.get("content") == "")
+                    for sub in n.get("normalizers") or []:
+                        walk(sub)
+
+            walk(norm)
+            longest = max((len(t) for t in self.tk.get_vocab(with_added_tokens=True)), default=1)
+            self._growth = 0 if deleting else 1 if norm is None else 4
+            self._longest_entry = longest
+        return None if self._growth == 0 else tokens * self._longest_entry * self._growth
 
     @property
     def vocab_size(self) -> int:

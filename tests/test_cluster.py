@@ -425,6 +425,10 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "skip_special_tokens": 0.5}, 400, "skip_special_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "max_tokens"),
+    # Megabytes of text are refused without being tokenized (longer than any 8192 tokens can spell).
+    ("/v1/completions", {"model": MODEL, "prompt": "hello world " * 100000}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 400000}]}, 400,
+     "messages"),
     ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
@@ -441,8 +445,9 @@ def test_bad_input_gets_openai_error_and_service_keeps_serving(cluster, path, bo
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         assert err["param"] == param
-        if "word " in str(body)[:20]:
+        if "word " in str(body)[:20] or len(str(body)) > 10**6:
             assert "maximum context length is 8192" in err["message"]
+            assert err["code"] == "context_length_exceeded"
         ok = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
 

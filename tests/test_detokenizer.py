@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import make_tokenizer_files
@@ -59,3 +61,26 @@ def test_chat_template_renders(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<s>user: hi</s><s>assistant:"
     assert tok.encode_chat([{"role": "user", "content": "hi"}])[0] == tok.bos_token_id
+
+
+def test_no_text_longer_than_max_chars_encodes_within_the_token_count(tok, tmp_path):
+    """max_chars(n) bounds the characters of every text of at most n tokens, so that a prompt longer than it
+    can be refused untokenized; the texts that pack the most characters a token are runs of its longest
+    entries, special tokens among them."""
+    vocab = tok.tk.get_vocab()
+    longest = [tok.decode([vocab[t]]) for t in sorted(vocab, key=len)[-3:]]
+    texts = ["Hello world, the quick brown fox.", "Zwölf Boxkämpfer 東京は 🚀🚀 ok", " " * 500, "a" * 3000,
+             "".join(longest) * 40, "<s></s>" * 100, "\x00\x01" * 50]
+    for text in texts:
+        n = len(tok.encode(text))
+        assert len(text) <= tok.max_chars(n), text[:40]
+    assert tok.max_chars(8192) < 8192 * 100
+
+    # A normalizer that deletes characters leaves no bound.
+    make_tokenizer_files(str(tmp_path))
+    with open(tmp_path / "tokenizer.json") as f:
+        spec = json.load(f)
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "StripAccents"}]}
+    with open(tmp_path / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    assert Tokenizer(str(tmp_path)).max_chars(8192) is None
