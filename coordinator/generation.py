@@ -34,6 +34,12 @@ class Piece:
     stop_reason: int | str | None = None
     first: bool = False  # the generation's first piece
 
+    def extend(self, later: "Piece") -> None:
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 class Generation:
     def __init__(self, dispatcher: Dispatcher, tokenizer, prompt_ids: list[int], params: dict, metrics=None):
@@ -70,12 +76,32 @@ class Generation:
         clean = False
         try:
             while True:
-                delta = await t.queue.get()
-                if delta.error is not None:
+                # Deltas that queued up while this stream waited (the event loop busy with others) leave as one
+                # piece: one chunk and one socket write for several tokens, so that a loaded coordinator spends
+                # less a token, the more it is behind.
+                deltas = [await t.queue.get()]
+                while not t.queue.empty():
+                    deltas.append(t.queue.get_nowait())
+                self._observe(sum(len(d.token_ids) for d in deltas if d.error is None))
+                piece = failed = None
+                for delta in deltas:
+                    if delta.error is not None:
+                        failed = delta
+                        break
+                    more = self._absorb(delta)
+                    if piece is None:
+                        piece = more
+                    else:
+                        piece.extend(more)
+                    if piece.finish_reason is not None:
+                        break
+                if failed is not None:
+                    if piece is not None and (piece.text or piece.token_ids):
+                        piece.first, self._yielded = not self._yielded, True
+                        yield piece
                     clean = True  # the worker already dropped it
                     self._outcome("error")
-                    raise WorkerFailed(delta.error)
-                piece = self._absorb(delta)
+                    raise WorkerFailed(failed.error)
                 if piece.finish_reason is not None or piece.text or piece.token_ids:
                     piece.first, self._yielded = not self._yielded, True
                 if piece.finish_reason is not None:
@@ -103,14 +129,17 @@ class Generation:
             if self.finish_reason is None:
                 self._outcome("abort")
 
-    def _absorb(self, delta) -> Piece:
+    def _observe(self, tokens: int) -> None:
+        if self.metrics is None or not tokens:
+            return
         now = time.monotonic()
-        if self.metrics is not None and delta.token_ids:
-            if self._last is None:
-                self.metrics.ttft.observe(now - self.start)
-            else:
-                self.metrics.itl.observe((now - self._last) / len(delta.token_ids))
-            self._last = now
+        if self._last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe((now - self._last) / tokens)
+        self._last = now
+
+    def _absorb(self, delta) -> Piece:
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         ids = list(delta.token_ids)
         # A worker ends with "stop" only on a stop token (EOS or stop_token_ids): count it, do not show it.

@@ -11,6 +11,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,7 @@ from engine.env import Env
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+_json_encode = msgspec.json.Encoder().encode
 
 # The other samples of a prompt wait for the first one's first token when the worker computing the prompt
 # lacks at least this many of its tokens: the wait costs them that first token's latency, and pays where there
@@ -278,8 +280,10 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def sse(obj) -> bytes:
+        # msgspec writes UTF-8 as it is (as ensure_ascii=False did) in a fraction of json.dumps's time, which
+        # was a tenth of the coordinator's time a streamed token; a non-finite float becomes null, not NaN.
+        return b"data: " + _json_encode(obj) + b"\n\n"
 
     async def run(request: Request, p: ParsedRequest, render_full, render_chunk, render_first=None):
         gens = await start_while_connected(request, p)
