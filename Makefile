@@ -30,7 +30,7 @@ run: install
 
 test: install-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 bench-cpu: install-test
 	$(PY) -m bench.cpu
