@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens each request asks for")
     ap.add_argument("--smoke", action="store_true", help="a few small runs (CI)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a directory with tokenizer.json (default: the embedded model's), for machines without it")
     args = ap.parse_args()
     runs = parse_runs(args.runs)
     if args.smoke:
@@ -158,10 +160,19 @@ def main() -> None:
     from engine.loader import resolve_model_dir
     from engine.tokenizer import Tokenizer
 
-    ids = Tokenizer(resolve_model_dir(None)).encode(TEXT, add_special_tokens=False)
+    model = []
+    if args.tokenizer:  # the coordinator reads a model directory: the 0.5B's config with this vocabulary
+        import tempfile
+
+        from bench.pd import model_dir_for
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        model = ["--model-path", model_dir_for(os.path.join(here, "configs", "qwen2.5-0.5b.json"), args.tokenizer,
+                                               tempfile.mkdtemp())]
+    ids = Tokenizer(model[1] if model else resolve_model_dir(None)).encode(TEXT, add_special_tokens=False)
     port, zmq_port = socket_port(), socket_port()
     coord = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "--log-level", "warning", "coordinator",
-                              "--port", str(port), "--zmq-port", str(zmq_port)],
+                              "--port", str(port), "--zmq-port", str(zmq_port), *model],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     worker = StandIn(f"tcp://127.0.0.1:{zmq_port}", ids)
     worker.start()
