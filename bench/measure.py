@@ -20,8 +20,9 @@ from engine.sampling_params import SamplingParams
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-SMOKE_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
-                "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+# Head size 64: the smallest every attention backend runs (FlashInfer's kernels are built for 64, 128, 256).
+SMOKE_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+                "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "max_position_embeddings": 16384}
 
 

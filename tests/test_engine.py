@@ -471,3 +471,17 @@ def test_flashinfer_is_refused_models_whose_head_groups_its_decode_kernel_lacks(
     for heads, kv in ((14, 2), (9, 3)):
         with pytest.raises(ValueError, match="use --attention-backend triton"):
             check_supported(cfg(heads, kv))
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 192])
+def test_flashinfer_is_refused_head_sizes_its_kernels_are_not_built_for(head_dim):
+    """FlashInfer's prefill kernel stopped the worker at the first prefill of a model with 32-dimensional heads
+    (an H100), and is reported to fault or return wrong values for sizes that are not a multiple of 64; such a
+    model is refused before any request, naming the way out."""
+    from engine.config import ModelConfig
+    from kernels.attention.flashinfer_backend import check_supported
+
+    for ok in (64, 128, 256):
+        check_supported(ModelConfig("llama", 100, 8 * ok, 64, 1, 8, 2, ok, 4096, 1e-6, 1e4))
+    with pytest.raises(ValueError, match=f"head sizes .* is {head_dim}: use --attention-backend triton"):
+        check_supported(ModelConfig("llama", 100, 8 * head_dim, 64, 1, 8, 2, head_dim, 4096, 1e-6, 1e4))

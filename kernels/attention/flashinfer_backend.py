@@ -15,10 +15,17 @@ _WORKSPACE_BYTES = 256 << 20
 # raised "Unsupported group_size: 7" at the first decode step of the Qwen2.5-0.5B shape (14 query heads, 2 KV
 # heads) on an H200, which stopped the worker mid-request; such models are refused when the backend is made.
 DECODE_GROUP_SIZES = (1, 2, 4, 8)
+# Head sizes FlashInfer's kernels are built for. Its FA2 prefill does not check the size: 32 raised "Invalid
+# configuration" at the first prefill on an H100 (stopping the worker), and sizes that are not a multiple of 64
+# are reported upstream to fault or to return wrong values without an error.
+HEAD_DIMS = (64, 128, 256)
 
 
 def check_supported(config) -> None:
-    """Raise ValueError, naming the alternative, for a model FlashInfer's decode kernel cannot run."""
+    """Raise ValueError, naming the alternative, for a model FlashInfer's kernels cannot run."""
+    if config.head_dim not in HEAD_DIMS:
+        raise ValueError(f"the flashinfer backend runs head sizes {list(HEAD_DIMS)}; this model's is "
+                         f"{config.head_dim}: use --attention-backend triton")
     group = config.num_attention_heads // config.num_key_value_heads
     if group not in DECODE_GROUP_SIZES:
         raise ValueError(f"the flashinfer backend decodes {list(DECODE_GROUP_SIZES)} query heads per KV head; "
