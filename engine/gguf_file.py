@@ -73,7 +73,13 @@ class GGUFModel:
         import gguf
 
         self.path = path
-        self.reader = gguf.GGUFReader(path)
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except OSError:
+            raise
+        except Exception as e:  # the reader's errors on a cut-short file name numpy's reshapes, not the file
+            raise ValueError(f"{path}: not a readable GGUF file ({os.path.getsize(path):,} bytes; cut short, or "
+                             f"not GGUF?): {e}") from e
         self.arch = self._field("general.architecture")
         if self.arch not in _ARCH:
             raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not supported ({sorted(_ARCH)})")

@@ -359,3 +359,18 @@ def test_conversion_writes_shards_of_bounded_size_that_hold_every_tensor(tmp_pat
     assert not [n for n in os.listdir(os.path.dirname(out)) if n != os.path.basename(out)]  # nothing left over
     engine = Engine(model_path=path, max_total_tokens=512)
     assert torch.equal(engine.model.embed_tokens.weight, expect["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("keep", [100, 5_000, 1_000_000, 98_000_000])
+def test_a_gguf_file_cut_short_is_refused_by_name(tmp_path, keep, monkeypatch):
+    """A download that stopped part way (in the header, the metadata or the tensor data) is refused with the
+    file's name and size, not numpy's complaint about a reshape, and leaves nothing in the conversion cache."""
+    from engine.gguf_file import convert_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cut = tmp_path / "cut.gguf"
+    with open(embedded_model_path(), "rb") as f:
+        cut.write_bytes(f.read(keep))
+    with pytest.raises(ValueError, match=rf"cut\.gguf: not a readable GGUF file \({keep:,} bytes"):
+        convert_gguf(str(cut))
+    assert not any(files for _, _, files in os.walk(tmp_path / "cache"))
