@@ -20,6 +20,18 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+
+def read_json(path: str) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; a file that is not one is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON object was expected, not {type(data).__name__}")
+    return data
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -115,14 +127,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
-        with open(os.path.join(path, "config.json")) as f:
-            config = cls.from_hf_dict(json.load(f))
+        file = os.path.join(path, "config.json")
+        try:
+            config = cls.from_hf_dict(read_json(file))
+        except (KeyError, TypeError) as e:  # a field missing, or of a type arithmetic cannot take
+            raise ValueError(f"{file}: not a usable model config ({type(e).__name__}: {e})") from e
         # Chat checkpoints often name their end-of-turn token only in generation_config.json (Llama 3:
         # <|eot_id|> beside config.json's <|end_of_text|>); generation stops at either, as transformers stops.
         gen = os.path.join(path, "generation_config.json")
         if os.path.exists(gen):
-            with open(gen) as f:
-                eos = json.load(f).get("eos_token_id")
+            eos = read_json(gen).get("eos_token_id")
             more = eos if isinstance(eos, list) else [eos] if eos is not None else []
             ids = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in more)]))
             config = dataclasses.replace(config, eos_token_ids=ids)

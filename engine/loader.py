@@ -9,7 +9,7 @@ import os
 import torch
 
 from engine import checkpoint_quant
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_json
 from engine.model import CausalLM
 from engine.parallel import TensorParallel
 from engine.weights import iter_safetensors
@@ -36,8 +36,6 @@ def embedded_model_path() -> str:
 def quantized_already(model_path: str | None, model_dir: str) -> str | None:
     """Why the checkpoint counts as quantized (a GGUF with quantized tensors, an HF quantization_config),
     or None."""
-    import json
-
     path = model_path or embedded_model_path()
     if os.path.isfile(path) and path.endswith(".gguf"):
         import gguf
@@ -45,8 +43,7 @@ def quantized_already(model_path: str | None, model_dir: str) -> str | None:
         kinds = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(path).tensors}
         quantized = sorted(kinds - {"F32", "F16", "BF16"})
         return f"its GGUF tensors are {', '.join(quantized)}" if quantized else None
-    with open(os.path.join(model_dir, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = read_json(os.path.join(model_dir, "config.json")).get("quantization_config")
     return f"its config.json has quantization_config {qc.get('quant_method', qc)!r}" if qc else None
 
 
@@ -64,11 +61,8 @@ def resolve_model_dir(model_path: str | None) -> str:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
                dummy: bool = False) -> CausalLM:
-    import json
-
     config = ModelConfig.from_dir(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        fp8 = checkpoint_quant.read(json.load(f))
+    fp8 = checkpoint_quant.read(read_json(os.path.join(model_dir, "config.json")))
     if fp8 is not None and dummy:
         raise ValueError("--load-format dummy builds unquantized random weights; this checkpoint is quantized "
                          "(use --quantization fp8 on an unquantized one instead)")

@@ -10,6 +10,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.config import read_json
+
 
 def _token_str(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
@@ -22,12 +24,14 @@ class Tokenizer:
         tk_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tk_file):
             raise FileNotFoundError(f"{path}: no tokenizer.json")
-        self.tk = HFTokenizer.from_file(tk_file)
+        try:
+            self.tk = HFTokenizer.from_file(tk_file)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tk_file}: not a readable tokenizer ({e})") from e
         cfg: dict[str, Any] = {}
         cfg_file = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(cfg_file):
-            with open(cfg_file) as f:
-                cfg = json.load(f)
+            cfg = read_json(cfg_file)
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.bos_token_id = self.tk.token_to_id(self.bos_token) if self.bos_token else None

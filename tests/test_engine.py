@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 
 import pytest
 
@@ -485,3 +488,44 @@ def test_flashinfer_is_refused_head_sizes_its_kernels_are_not_built_for(head_dim
         check_supported(ModelConfig("llama", 100, 8 * ok, 64, 1, 8, 2, ok, 4096, 1e-6, 1e4))
     with pytest.raises(ValueError, match=f"head sizes .* is {head_dim}: use --attention-backend triton"):
         check_supported(ModelConfig("llama", 100, 8 * head_dim, 64, 1, 8, 2, head_dim, 4096, 1e-6, 1e4))
+
+
+def _break(path, how: str) -> str:
+    if how == "config not JSON":
+        open(os.path.join(path, "config.json"), "w").write("{bad")
+        return r"config\.json: not valid JSON"
+    if how == "config lacks a field":
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        del cfg["hidden_size"]
+        json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+        return r"config\.json: not a usable model config \(KeyError: 'hidden_size'\)"
+    if how == "generation_config a list":
+        open(os.path.join(path, "generation_config.json"), "w").write("[1, 2]")
+        return r"generation_config\.json: a JSON object was expected, not list"
+    if how == "tokenizer not JSON":
+        open(os.path.join(path, "tokenizer.json"), "w").write('{"x": 1')
+        return r"tokenizer\.json: not a readable tokenizer"
+    if how == "tokenizer_config not JSON":
+        open(os.path.join(path, "tokenizer_config.json"), "w").write("\xff{")
+        return r"tokenizer_config\.json: not valid JSON"
+    weights = os.path.join(path, "model.safetensors")
+    data = open(weights, "rb").read()
+    if how == "weights cut short":
+        open(weights, "wb").write(data[: len(data) - 1000])
+    elif how == "weights header cut":
+        open(weights, "wb").write(data[:6])
+    return r"model\.safetensors: not a readable safetensors file"
+
+
+@pytest.mark.parametrize("how", ["config not JSON", "config lacks a field", "generation_config a list",
+                                 "tokenizer not JSON", "tokenizer_config not JSON", "weights cut short",
+                                 "weights header cut"])
+def test_a_broken_checkpoint_is_refused_naming_the_file_at_fault(tiny_llama, tmp_path, how):
+    """An operator's checkpoint that is damaged (a copy cut short, a hand edit gone wrong) stops the worker
+    with one ValueError naming the file and what is wrong with it, not a parser's message without a file."""
+    src, _ = tiny_llama
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(src, path)
+    expected = _break(path, how)
+    with pytest.raises(ValueError, match=expected):
+        Engine(model_path=path)
