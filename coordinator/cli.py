@@ -134,7 +134,7 @@ def check_up(ns, engine_argv: list[str]) -> None:
     if wns.tp_size > 1 and wns.dist_init_addr is None:
         wns.dist_init_addr = "tcp://127.0.0.1:0"  # (each worker picks its own; only the others are checked)
     try:
-        EngineArgs.from_cli_args(wns).kv_dtype
+        EngineArgs.from_cli_args(wns)
     except ValueError as e:
         refuse(str(e))
 

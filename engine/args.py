@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 import torch
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,8 @@ class EngineArgs:
     max_running_requests: int | None = None
     # torch (reference, any device) or triton (GPU; CPU only under TRITON_INTERPRET). Default: fastest available.
     attention_backend: str | None = None
-    # "auto" (the model dtype), "fp8_e4m3" / "fp8_e5m2" (one byte per value, scale 1.0: twice the tokens of
-    # bf16 in the same memory), or a torch dtype name for the KV pool.
+    # "auto" (the model dtype), "fp8_e4m3" / "fp8_e5m2" (one byte per value, with per-layer scales: twice the
+    # tokens of bf16 in the same memory), or bfloat16 / float16 / float32.
     kv_cache_dtype: str = "auto"
     # Layout of a KV page: "NHD" (each token's heads side by side) or "HND" (each head's tokens side by side,
     # FlashInfer's other layout). NHD is the default: on an H200 both the triton and the flashinfer decode
@@ -104,6 +108,14 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        interpreted = self.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+        if self.attention_backend in ("triton", "flashinfer") and not self.on_cuda and not interpreted:
+            raise ValueError(f"the {self.attention_backend} backend runs on a GPU, and this engine's device is "
+                             f"{self.torch_device}: use --attention-backend torch")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            # An integer pool (int8) would store K and V truncated to integers, with nothing to scale them back:
+            # it served garbage instead of failing.
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {list(KV_CACHE_DTYPES)}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -128,12 +140,7 @@ class EngineArgs:
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
         fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-        if self.kv_cache_dtype in fp8:
-            return fp8[self.kv_cache_dtype]
-        dt = getattr(torch, self.kv_cache_dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
-        return dt
+        return fp8.get(self.kv_cache_dtype) or getattr(torch, self.kv_cache_dtype)
 
     @property
     def overlap(self) -> bool:

@@ -452,10 +452,37 @@ def test_flashinfer_is_refused_page_sizes_it_was_not_verified_for():
     worker down: such a configuration fails when it is made, with the way out in the message."""
     from engine.args import EngineArgs
 
-    assert EngineArgs(attention_backend="flashinfer", page_size=32).page_size == 32
-    assert EngineArgs(attention_backend="triton", page_size=64).page_size == 64
+    assert EngineArgs(attention_backend="flashinfer", page_size=32, device="cuda").page_size == 32
+    assert EngineArgs(attention_backend="triton", page_size=64, device="cuda").page_size == 64
     with pytest.raises(ValueError, match="use --attention-backend triton"):
-        EngineArgs(attention_backend="flashinfer", page_size=64)
+        EngineArgs(attention_backend="flashinfer", page_size=64, device="cuda")
+
+
+@pytest.mark.parametrize("kv", ["int8", "uint8", "bool", "float64", "fp8"])
+def test_kv_cache_dtypes_that_cannot_hold_k_and_v_are_refused(kv):
+    """An int8 pool once served garbage (K and V truncated to integers, nothing to scale them back): only the
+    float types and the two FP8 formats are taken, and the error lists them."""
+    from engine.args import EngineArgs
+
+    for ok in ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"):
+        EngineArgs(kv_cache_dtype=ok)
+    with pytest.raises(ValueError, match=f"unknown kv_cache_dtype '{kv}'; choose from .*fp8_e4m3"):
+        EngineArgs(kv_cache_dtype=kv)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_attention_backends_are_refused_on_a_cpu_by_name(backend, monkeypatch):
+    """On a CPU, `--attention-backend triton` failed deep inside Triton ("0 active drivers") once the model had
+    loaded; it is refused with the way out before anything loads. Triton's interpreter (TRITON_INTERPRET=1,
+    as the tests run its kernels) still may."""
+    from engine.args import EngineArgs
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=f"the {backend} backend runs on a GPU.*use --attention-backend torch"):
+        EngineArgs(attention_backend=backend, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if backend == "triton":
+        EngineArgs(attention_backend=backend, device="cpu")
 
 
 def test_flashinfer_is_refused_models_whose_head_groups_its_decode_kernel_lacks():
