@@ -134,13 +134,19 @@ class Engine:
                 weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
                 budget = int(_host_memory_bytes() * a.mem_fraction) - weights
             num_pages = KVPool.pages_for_budget(budget, a.page_size, per_token)
-            if num_pages < 2:
-                raise RuntimeError(f"no memory left for the KV pool (budget {budget} bytes); raise "
-                                   f"--mem-fraction-static or set --max-total-tokens")
+            if num_pages < 2:  # page 0 is reserved: fewer than two pages hold no request at all
+                raise ValueError(f"no room for the KV pool: {max(budget, 0):,} bytes are left of --mem-fraction-static "
+                                 f"{a.mem_fraction}, and a page of {a.page_size} tokens takes "
+                                 f"{a.page_size * per_token:,}; raise --mem-fraction-static, lower --page-size, or "
+                                 f"set --max-total-tokens")
         # Every rank must hand out the same pages, so all take the smallest pool any rank has room for.
         num_pages = self.tp.min_int(num_pages)
-        pool = KVPool(num_pages, a.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                      a.kv_dtype, self.device, a.kv_layout, self.tp.rank, self.tp.size)
+        try:
+            pool = KVPool(num_pages, a.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                          a.kv_dtype, self.device, a.kv_layout, self.tp.rank, self.tp.size)
+        except (torch.OutOfMemoryError, MemoryError) as e:  # --max-total-tokens asked for more than there is
+            raise ValueError(f"a KV pool of {num_pages * a.page_size:,} tokens ({num_pages * a.page_size * per_token:,} "
+                             f"bytes) does not fit on {self.device}: lower --max-total-tokens") from e
         logger.info("KV pool: %d pages of %d tokens, max_total_num_tokens=%d, %.1f MiB",
                     num_pages, a.page_size, pool.max_total_num_tokens, pool.data.numel() * pool.data.element_size()
                     / 2**20)

@@ -556,3 +556,13 @@ def test_a_broken_checkpoint_is_refused_naming_the_file_at_fault(tiny_llama, tmp
     expected = _break(path, how)
     with pytest.raises(ValueError, match=expected):
         Engine(model_path=path)
+
+
+def test_a_kv_pool_that_cannot_exist_is_refused_with_its_sizes(tiny_llama):
+    """A page larger than the memory budget, or --max-total-tokens beyond the device, stops the worker with the
+    sizes involved and the flags to change (it was a RuntimeError with a traceback, or torch's OOM)."""
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match=r"no room for the KV pool: .* a page of 10000000 tokens takes .*--page-size"):
+        Engine(model_path=path, page_size=10_000_000)
+    with pytest.raises(ValueError, match=r"KV pool of 1,000,000,000,0\d\d tokens .* does not fit on cpu"):
+        Engine(model_path=path, max_total_tokens=10**12)
