@@ -148,7 +148,13 @@ def run_up(ns, engine_argv: list[str]) -> int:
         resolve_model_dir(ns.model_path)  # convert a GGUF once, before every child wants it
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"pdserve up: {e}") from None
-    zmq_port = _free_port(ns.host)
+    try:  # a host that is not this machine's, or a port in use, is told here rather than by a child's death
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            s.bind((ns.host, ns.port))
+        zmq_port = _free_port(ns.host)
+    except OSError as e:
+        raise SystemExit(f"pdserve up: cannot listen on {ns.host}:{ns.port}: {e.strerror or e}") from None
     me = [sys.executable, "-m", "coordinator.cli"]
     common = ["--model-path", ns.model_path] if ns.model_path else []
     coord = me + ["coordinator", "--host", ns.host, "--port", str(ns.port), "--zmq-host", ns.host,

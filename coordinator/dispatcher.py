@@ -125,7 +125,11 @@ class Dispatcher:
         self.ctx = zmq.asyncio.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(f"tcp://{host}:{port or '*'}")
+        try:
+            self.pull.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError as e:  # an address not of this host, a port taken
+            self.ctx.destroy(linger=0)
+            raise ValueError(f"cannot listen for workers on tcp://{host}:{port or '*'}: {e.strerror}") from None
         self.addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         # Sends never block, so plain sockets serve the event loop; only receiving needs asyncio.
         self._sync_ctx = zmq.Context()

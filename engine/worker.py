@@ -52,6 +52,21 @@ class WorkerArgs:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.redis_url and not self.coordinator_addr:
             raise ValueError("a worker needs --redis-url or --coordinator-addr to announce itself")
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0: any free port), got {self.port}")
+        if self.coordinator_addr is not None:
+            check_tcp_addr(self.coordinator_addr, "--coordinator-addr")
+        for name in ("transfer_timeout_s", "heartbeat_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def check_tcp_addr(addr: str, what: str) -> None:
+    """Refuse an address ZMQ would reject with a traceback (no tcp://), or connect to forever in silence (a port
+    out of range)."""
+    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
+    if not addr.startswith("tcp://") or not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} must be tcp://HOST:PORT with a port in [1, 65535], got {addr!r}")
 
 
 class Worker:
@@ -77,7 +92,13 @@ class Worker:
         self.ctx = zmq.Context()
         self.ctrl = self.ctx.socket(zmq.PULL)
         self.ctrl.setsockopt(zmq.LINGER, 0)
-        self.ctrl.bind(f"tcp://{args.host}:{args.port or '*'}")
+        try:
+            self.ctrl.bind(f"tcp://{args.host}:{args.port or '*'}")
+        except zmq.ZMQError as e:  # an address not of this host, a port taken
+            self.ctx.destroy(linger=0)
+            if self.followers is not None:
+                self.followers.close()
+            raise ValueError(f"cannot listen on tcp://{args.host}:{args.port or '*'}: {e.strerror}") from None
         self.ctrl_addr = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
         names = available_backends(self.engine.pool.data.is_cuda) if args.transfer_backends == "auto" \
             else args.transfer_backends.split(",")

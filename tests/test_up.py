@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,12 +143,46 @@ def test_tensor_parallel_workers_of_up_get_gpus_of_their_own(monkeypatch):
     (["--chunked-prefill-size", "0"], "chunked_prefill_size must be >= 1"),
     (["--max-runing-requests", "8"], "unrecognized arguments: --max-runing-requests 8"),
     (["--model-path", "/nowhere/model"], "neither a directory nor a .gguf file"),
+    (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid:"),
+    (["--kv-cache-dtype", "int8"], "unknown kv_cache_dtype 'int8'"),
+    (["--attention-backend", "triton"], "the triton backend runs on a GPU"),
 ])
 def test_flags_no_worker_could_start_with_are_refused_before_any_child_starts(flags, says):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real machine's, not the tests'
     r = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", *flags], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, env=env)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("pdserve up: ") and says in last
     assert "Traceback" not in r.stderr
     assert "coordinator:" not in r.stderr and "engine ready" not in r.stderr  # no child got as far as starting
+
+
+def test_up_refuses_a_port_in_use_before_any_child_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", "--port", str(port)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == f"pdserve up: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "engine ready" not in r.stderr
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--coordinator-addr", "garbage"], "--coordinator-addr must be tcp://HOST:PORT"),
+    (["--coordinator-addr", "tcp://127.0.0.1:99999"], "--coordinator-addr must be tcp://HOST:PORT"),
+    (["--coordinator-addr", "tcp://127.0.0.1:5", "--port", "-1"], "port must be in [0, 65535]"),
+    (["--coordinator-addr", "tcp://127.0.0.1:5", "--transfer-timeout", "0"], "transfer_timeout_s must be > 0"),
+    (["--coordinator-addr", "tcp://127.0.0.1:5", "--host", "192.0.2.1"], "cannot listen on tcp://192.0.2.1:*"),
+])
+def test_a_worker_refuses_addresses_it_could_not_use_in_one_line(flags, says):
+    """A coordinator address ZMQ cannot parse was a traceback, one with a port out of range a worker that
+    waited in silence, and a host not of this machine a traceback once the model had loaded."""
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "decode", *flags], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve decode: ") and says in last, last
+    assert "Traceback" not in r.stderr
