@@ -75,6 +75,11 @@ class Tracked:
         return self.rid if self.attempt == 0 else f"{self.rid}.{self.attempt}"
 
 
+def _pairs(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """Same layout: the pages fit; same weights: the KV in them means what the decode worker expects."""
+    return prefill.layout == decode.layout and prefill.weights == decode.weights
+
+
 def _resumable(t: Tracked) -> bool:
     """Whether a request can go on from its prompt plus its tokens so far. Frequency and presence penalties
     count the tokens generated, which a new placement would see as prompt."""
@@ -118,8 +123,12 @@ class _PrefixIndex:
 
 class Dispatcher:
     def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int | None = None,
-                 transfer_backend: str = "auto", admission_timeout_s: float = 30.0):
+                 transfer_backend: str = "auto", admission_timeout_s: float = 30.0, vocab: str = ""):
         self.registry = registry
+        # The coordinator's tokenizer (Tokenizer.vocab_digest): workers whose token ids mean something else
+        # are left out, and said so once each.
+        self.vocab = vocab
+        self._foreign: set[str] = set()
         self.transfer_backend = transfer_backend
         self.admission_timeout_s = admission_timeout_s
         self.ctx = zmq.asyncio.Context()
@@ -238,8 +247,17 @@ class Dispatcher:
 
     # --- the registry's view -------------------------------------------------------------------------------
     def refresh(self) -> dict[str, WorkerInfo]:
-        self.workers = {w.worker_id: w for w in self.registry.alive()}
+        self.workers = {w.worker_id: w for w in self.registry.alive() if self._ours(w)}
         return self.workers
+
+    def _ours(self, w: WorkerInfo) -> bool:
+        if not self.vocab or not w.vocab or w.vocab == self.vocab:
+            return True
+        if w.worker_id not in self._foreign:
+            self._foreign.add(w.worker_id)
+            logger.warning("worker %s (%s at %s) serves a model whose vocabulary is not this coordinator's "
+                           "(%s, not %s); it gets no requests", w.worker_id, w.role, w.host, w.vocab, self.vocab)
+        return False
 
     def ready(self) -> bool:
         roles = {w.role for w in self.workers.values()}
@@ -395,12 +413,17 @@ class Dispatcher:
         idx.add(hashes)
 
     async def _place_disaggregated(self, t, prefills, decodes, deadline, rejected) -> bool:
+        # Only a prefill worker some decode worker can take pages from (while a pool changes models or
+        # page layouts, each half pairs with its own).
+        prefills = [p for p in prefills if any(_pairs(p, d) for d in decodes)]
+        if not prefills:
+            return False
         prefill = self._pick_prefill(t, prefills)
         decodes.sort(key=lambda w: (w.worker_id != t.near_decode,
                                     self._decode_inflight.get(w.worker_id, 0) + w.load.running, -w.load.free_pages))
         for dec in decodes:
             backend = agree(prefill.transfer, dec.transfer, self.transfer_backend)
-            if backend is None or dec.layout != prefill.layout:
+            if backend is None or not _pairs(prefill, dec):
                 continue
             fut = asyncio.get_running_loop().create_future()
             self._replies[t.wire] = fut

@@ -78,7 +78,7 @@ class Coordinator:
         self.api_keys = tuple(args.api_keys) or tuple(Env.api_keys())
         self.registry = make_registry(args.redis_url)
         self.dispatcher = Dispatcher(self.registry, args.zmq_host, args.zmq_port, args.transfer_backend,
-                                     args.admission_timeout_s)
+                                     args.admission_timeout_s, vocab=self.tokenizer.vocab_digest())
         self.metrics = Metrics(lambda: list(self.dispatcher.workers.values()), lambda: self.dispatcher.placed_again)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import hashlib
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_json
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_scales import kv_scales
 from engine.loader import load_model, quantized_already, resolve_model_dir
@@ -25,6 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from engine.weights import checkpoint_digest
 from kernels.attention import create_backend, default_backend
 from kvstore import KVPool, PageAllocator, RadixCache, kv_bytes_per_token
 
@@ -49,6 +51,15 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()
 
 
+def weights_digest(model_dir: str, args: EngineArgs) -> str:
+    """What a peer must match to exchange KV with this engine (engine/weights.py: checkpoint_digest). Random
+    weights are drawn alike only by engines of one kind of device and dtype."""
+    if args.load_format == "dummy":
+        config = hashlib.sha256(json.dumps(read_json(os.path.join(model_dir, "config.json")), sort_keys=True).encode())
+        return f"dummy-{args.torch_device.type}-{str(args.torch_dtype).removeprefix('torch.')}-{config.hexdigest()[:16]}"
+    return checkpoint_digest(model_dir)
+
+
 def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -71,9 +82,11 @@ class Engine:
                                      f"already ({why}); load it as it is")
             self.tokenizer = Tokenizer(args.tokenizer_path or model_dir)
             self.model = load_model(model_dir, args.torch_dtype, self.device, self.tp, dummy=args.load_format == "dummy")
+            self.weights_digest = weights_digest(model_dir, args)
         else:
             self.tokenizer = None
             self.model = model
+            self.weights_digest = ""
         # Taken from the weights as loaded, so that a worker quantizing them and one that does not agree.
         scales = kv_scales(self.model, args.kv_dtype)
         if args.quantization == "fp8":

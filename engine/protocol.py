@@ -76,6 +76,10 @@ class WorkerInfo(msgspec.Struct):
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
     pid: int = 0
     started_at: float = 0.0
+    # Fingerprints (engine/weights.py, engine/tokenizer.py); empty: unknown. Prefill and decode workers pair
+    # only with equal `weights`; a coordinator serves only workers whose `vocab` is its tokenizer's.
+    weights: str = ""
+    vocab: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime
@@ -76,6 +77,12 @@ class Tokenizer:
             self._growth = 0 if deleting else 1 if norm is None else 4
             self._longest_entry = longest
         return None if self._growth == 0 else tokens * self._longest_entry * self._growth
+
+    def vocab_digest(self) -> str:
+        """A short fingerprint of what each token id means (the vocabulary, added tokens included): a
+        coordinator serves only workers whose ids mean what its own tokenizer's do."""
+        vocab = sorted(self.tk.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
     @property
     def vocab_size(self) -> int:

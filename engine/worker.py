@@ -89,6 +89,7 @@ class Worker:
             if self.followers is not None:
                 self.followers.close()
             raise
+        self.vocab_digest = self.engine.tokenizer.vocab_digest() if self.engine.tokenizer is not None else ""
         self.ctx = zmq.Context()
         self.ctrl = self.ctx.socket(zmq.PULL)
         self.ctrl.setsockopt(zmq.LINGER, 0)
@@ -169,7 +170,7 @@ class Worker:
             layout=KVLayout.of(p),
             max_total_tokens=p.max_total_num_tokens, max_model_len=e.max_model_len,
             transfer=dict(self.endpoints), load=load, pid=os.getpid(),
-            started_at=self.started_at)
+            started_at=self.started_at, weights=e.weights_digest, vocab=self.vocab_digest)
 
 
     # --- the loop -------------------------------------------------------------------------------------------

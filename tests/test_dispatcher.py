@@ -379,3 +379,68 @@ def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(two_pref
             assert unrelated.prefill_id != first.prefill_id
 
     run(scenario())
+
+
+def test_prefill_and_decode_workers_pair_only_when_their_weights_agree(cluster):
+    """KV from one checkpoint is garbage to another of the same shapes (two fine-tunes of a base, an upgrade
+    rolled half way): a decode worker of other weights is never asked for pages, however idle, and a prefill
+    worker that no decode worker matches gets no prompts, however idle."""
+    import msgspec
+
+    from engine.protocol import WorkerLoad
+
+    registry, workers, reply = cluster
+    workers["p1"] = FakeWorker(zmq.Context.instance(), "p1", "prefill")
+    for name, weights in (("p0", "v1"), ("p1", "v2"), ("d0", "v2"), ("d1", "v1")):
+        busy = WorkerLoad(running=50) if name == "d1" else WorkerLoad()
+        workers[name].info = msgspec.structs.replace(workers[name].info, weights=weights, load=busy)
+        registry.put(workers[name].info)
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            d._prefill_inflight["p1"] = 10**6  # p0 does the prompts: d1, though busier, is the one to pair
+            for _ in range(3):
+                placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+                _, where = await allocate_reply(workers, ["d0", "d1"], reply)
+                assert (where, (await placing).prefill_id) == ("d1", "p0")
+            registry.remove("d0")  # v2 has no decode worker left
+            d._prefill_inflight["p1"] = 0
+            d.refresh()
+            for _ in range(3):
+                placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+                await allocate_reply(workers, ["d1"], reply)
+                assert (await placing).prefill_id == "p0"
+            assert not [m for m in workers["p1"].drain() if isinstance(m, Prefill)]
+            assert not [m for m in workers["d0"].drain() if isinstance(m, Allocate)]
+
+    try:
+        run(scenario())
+    finally:
+        workers.pop("p1").sock.close(0)
+
+
+def test_workers_whose_token_ids_mean_something_else_get_no_requests(cluster, caplog):
+    """A worker started on a model of another vocabulary than the coordinator's tokenizer is left out of
+    placement (and said so once), rather than handed ids that are other words, or none, to it."""
+    import msgspec
+
+    registry, workers, reply = cluster
+    workers["d0"].info = msgspec.structs.replace(workers["d0"].info, vocab="other")
+    registry.put(workers["d0"].info)
+    for name in ("p0", "d1"):
+        workers[name].info = msgspec.structs.replace(workers[name].info, vocab="ours")
+        registry.put(workers[name].info)
+
+    async def scenario():
+        async with started(registry, reply, vocab="ours") as d:
+            assert sorted(d.workers) == ["d1", "p0"]
+            d.refresh()
+            for _ in range(3):
+                placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+                await allocate_reply(workers, ["d0", "d1"], reply)
+                assert (await placing).decode_id == "d1"
+            assert not [m for m in workers["d0"].drain() if isinstance(m, Allocate)]
+
+    run(scenario())
+    warned = [r for r in caplog.records if "vocabulary is not this coordinator's" in r.getMessage()]
+    assert len(warned) == 1 and "d0" in warned[0].getMessage()

@@ -566,3 +566,31 @@ def test_a_kv_pool_that_cannot_exist_is_refused_with_its_sizes(tiny_llama):
         Engine(model_path=path, page_size=10_000_000)
     with pytest.raises(ValueError, match=r"KV pool of 1,000,000,000,0\d\d tokens .* does not fit on cpu"):
         Engine(model_path=path, max_total_tokens=10**12)
+
+
+def test_weights_digest_tells_checkpoints_of_one_shape_apart(tiny_llama, tmp_path):
+    """Workers pair only with equal digests: a copy of a checkpoint elsewhere has its digest, the same shapes
+    with other values (a fine-tune) do not, and random weights are alike only on one kind of device and dtype."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.args import EngineArgs
+    from engine.engine import weights_digest
+    from engine.weights import checkpoint_digest
+
+    src, _ = tiny_llama
+    copy = shutil.copytree(src, tmp_path / "copy")
+    tuned = shutil.copytree(src, tmp_path / "tuned")
+    tensors = load_file(os.path.join(tuned, "model.safetensors"))
+    name = sorted(tensors)[len(tensors) // 2]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, os.path.join(tuned, "model.safetensors"), metadata={"format": "pt"})
+
+    assert checkpoint_digest(src) == checkpoint_digest(str(copy))
+    assert checkpoint_digest(src) != checkpoint_digest(str(tuned))
+    dummy = EngineArgs(model_path=src, load_format="dummy")
+    assert weights_digest(src, dummy) == weights_digest(str(tuned), dummy) != checkpoint_digest(src)
+    assert weights_digest(src, dummy) != weights_digest(src, EngineArgs(model_path=src, load_format="dummy",
+                                                                        dtype="bfloat16"))
+    engine = Engine(model_path=str(copy))
+    assert engine.weights_digest == checkpoint_digest(src)
+    assert engine.tokenizer.vocab_digest() == Engine(model_path=src).tokenizer.vocab_digest()
