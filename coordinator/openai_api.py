@@ -50,6 +50,9 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt comes back before the completion (with logprobs if asked)
     score_only: bool = False  # echo with max_tokens 0: the prompt alone comes back
     best_of: int | None = None  # n of each prompt's samples (params' n) come back: those of best mean logprob
+    # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far, so a client can
+    # tell how many tokens a chunk holds (tokens that queued up while the stream waited leave as one chunk).
+    continuous_usage: bool = False
 
     @property
     def n(self) -> int:
@@ -84,12 +87,18 @@ def _common(body: dict, params: dict) -> None:
         raise APIError(400, msg, param) from None
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool]:
+def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream = body.get("stream", False)
     _need(isinstance(stream, bool), "stream", "stream must be a boolean")
     opts = body.get("stream_options") or {}
     _need(isinstance(opts, dict), "stream_options", "stream_options must be an object")
-    return stream, bool(opts.get("include_usage", False))
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        v = opts.get(name)
+        _need(v is None or isinstance(v, bool), f"stream_options.{name}", f"stream_options.{name} must be a boolean")
+        flags.append(bool(v))
+    return stream, flags[0], flags[1]
 
 
 def _max_tokens(body: dict, *names: str) -> tuple[int | None, bool]:
@@ -149,9 +158,9 @@ def parse_completion(body: dict) -> ParsedRequest:
         best, params["n"] = n, best_of
         params.setdefault("logprobs", 0)  # the ranking's; shown only if asked for
     _count_choices(len(prompts), params)
-    stream, usage = _stream_opts(body)
+    stream, usage, continuous = _stream_opts(body)
     return ParsedRequest(prompts, None, params, True, stream, usage, logprobs, body.get("model"), echo, score_only,
-                         best)
+                         best, continuous)
 
 
 def parse_chat(body: dict) -> ParsedRequest:
@@ -184,9 +193,9 @@ def parse_chat(body: dict) -> ParsedRequest:
         params["logprobs"] = top or 0
     _common(body, params)
     _count_choices(1, params)
-    stream, usage = _stream_opts(body)
+    stream, usage, continuous = _stream_opts(body)
     return ParsedRequest(None, clean, params, given, stream, usage, (top or 0) if want else None,
-                         body.get("model"))
+                         body.get("model"), continuous_usage=continuous)
 
 
 # SGLang /generate: sampling_params use SGLang's names.

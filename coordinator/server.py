@@ -307,8 +307,16 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                 if render_first is not None:
                     for i in range(len(gens)):
                         yield sse(render_first(rid, created, i))
+                sent = [0] * len(gens)  # tokens streamed so far, each choice
                 async for i, piece in interleave(gens):
-                    yield sse(render_chunk(rid, created, i, piece, gens[i]))
+                    chunk = render_chunk(rid, created, i, piece, gens[i])
+                    if p.continuous_usage:
+                        sent[i] += len(piece.token_ids)
+                        so_far = usage(gens, p.n, not p.score_only)
+                        so_far["completion_tokens"] = sum(sent) if not p.score_only else 0
+                        so_far["total_tokens"] = so_far["prompt_tokens"] + so_far["completion_tokens"]
+                        chunk["usage"] = so_far
+                    yield sse(chunk)
                 if p.include_usage:
                     yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
                                "choices": [], "usage": usage(gens, p.n, not p.score_only)})

@@ -5,7 +5,9 @@
     python -m loadgen --url ... --dataset sharegpt.json --json
 
 Requests stream; TTFT is the time to the first text, inter-token latency the gaps between later chunks
-(divided by the tokens they carry), end-to-end the time to [DONE]. Output token counts come from `usage`.
+(divided by the tokens they carry, where the server reports usage with every chunk, as pdserve and vLLM do
+for stream_options.continuous_usage_stats; one token a chunk elsewhere), end-to-end the time to [DONE].
+Output token counts come from `usage`.
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ class Result:
 def make_requests(args) -> list[tuple[str, int]]:
     rng = random.Random(args.seed)
     if args.dataset:
-        with open(args.dataset) as f:
-            data = json.load(f)
+        try:
+            with open(args.dataset) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            sys.exit(f"loadgen: cannot read {args.dataset}: {e}")
+        if not isinstance(data, list):
+            sys.exit(f"{args.dataset}: a ShareGPT file is a JSON list of conversations")
         out = []
         for item in data:
+            if not isinstance(item, dict):
+                continue
             conv = item.get("conversations") or item.get("conversation") or []
-            if len(conv) >= 2 and conv[0].get("value") and conv[1].get("value"):
+            if isinstance(conv, list) and len(conv) >= 2 and all(isinstance(c, dict) for c in conv[:2]) \
+                    and isinstance(conv[0].get("value"), str) and isinstance(conv[1].get("value"), str) \
+                    and conv[0]["value"] and conv[1]["value"]:
                 out.append((conv[0]["value"], max(4, int(len(conv[1]["value"].split()) * 1.3))))
         rng.shuffle(out)
         if not out:
@@ -60,10 +71,10 @@ def make_requests(args) -> list[tuple[str, int]]:
 
 async def one(client: httpx.AsyncClient, args, model: str, prompt: str, max_tokens: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": not args.dataset, "stream_options": {"include_usage": True}}
+            "ignore_eos": not args.dataset, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     res = Result(ok=False)
-    last = None
+    last, tokens = None, 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -85,10 +96,13 @@ async def one(client: httpx.AsyncClient, args, model: str, prompt: str, max_toke
                     res.output_tokens = ev["usage"]["completion_tokens"]
                 if ev.get("choices") and ev["choices"][0].get("text"):
                     now = time.perf_counter()
+                    # Tokens this chunk carries: what the running usage grew by (one, without it).
+                    carried = max(1, res.output_tokens - tokens) if ev.get("usage") else 1
+                    tokens = res.output_tokens
                     if last is None:
                         res.ttft = now - t0
                     else:
-                        res.itls.append(now - last)
+                        res.itls += [(now - last) / carried] * carried
                     last = now
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -106,11 +120,20 @@ def pct(values: list[float], q: float) -> float:
 async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 1000))
+    reqs = make_requests(args)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model = args.model
         if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        reqs = make_requests(args)
+            try:
+                r = await client.get("/v1/models")
+                model = r.json()["data"][0]["id"] if r.status_code == 200 else None
+            except httpx.HTTPError as e:
+                sys.exit(f"loadgen: cannot reach {args.url}: {type(e).__name__}: {e}")
+            except (ValueError, KeyError, IndexError, TypeError):
+                model = None
+            if model is None:
+                sys.exit(f"loadgen: {args.url}/v1/models answered {r.status_code} without a model: "
+                         f"{r.text[:200]!r} (give --model, or --api-key)")
         rng = random.Random(args.seed + 1)
         sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         done = 0
@@ -171,6 +194,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    for name, ok, rule in (("--num-requests", args.num_requests >= 1, ">= 1"),
+                           ("--request-rate", args.request_rate > 0, "> 0"),
+                           ("--concurrency", args.concurrency >= 0, ">= 0"),
+                           ("--input-len", args.input_len >= 1, ">= 1"),
+                           ("--output-len", args.output_len >= 1, ">= 1"),
+                           ("--range-ratio", 0 <= args.range_ratio <= 1, "in [0, 1]"),
+                           ("--timeout", args.timeout > 0, "> 0"),
+                           ("--url", args.url.startswith(("http://", "https://")), "an http:// or https:// URL")):
+        if not ok:
+            ap.error(f"{name} must be {rule}")
     report = asyncio.run(run(args))
     if args.json:
         print(json.dumps(report))

@@ -238,6 +238,27 @@ def test_64_concurrent_streams_complete_and_are_well_formed(cluster):
     assert_pools_clean(cluster)
 
 
+def test_continuous_usage_counts_the_tokens_each_chunk_carries(cluster):
+    """stream_options.continuous_usage_stats: every chunk carries the usage so far, so what it grew by is the
+    number of tokens in the chunk (tokens that queued up while the stream waited leave together): here, the
+    chunk's own logprob entries. The last count is the request's."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with cluster.client() as h, h.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    chunks, final = [e for e in events if e["choices"]], events[-1]
+    assert not final["choices"] and final["usage"]["completion_tokens"] == 24
+    so_far = 0
+    for c in chunks:
+        assert c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
+        grew = c["usage"]["completion_tokens"] - so_far
+        assert grew == len(c["choices"][0]["logprobs"]["tokens"]) >= 1
+        assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+        so_far += grew
+    assert so_far == 24
+
+
 def test_n_samples_and_batched_prompts_are_choices_of_one_response(cluster):
     """Choice i * n + j is sample j of prompt i: the same as that prompt alone with seed + j."""
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test")
@@ -434,6 +455,10 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -5}}, 400, "sampling_params"),
     ("/generate", {"sampling_params": {}}, 400, "text"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     400, "stream_options.include_usage"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "stream_options": {"continuous_usage_stats": 1}}, 400, "stream_options.continuous_usage_stats"),
 ]
 
 
@@ -580,6 +605,21 @@ def test_loadgen_reports_against_the_cluster(cluster):
                             "--num-requests", "4", "--request-rate", "20", "--input-len", "16", "--output-len", "4"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert human.returncode == 0 and "TTFT (ms)" in human.stdout and "4/4 ok" in human.stdout
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--request-rate", "-1"], "--request-rate must be > 0"),
+    (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1]"),
+    (["--url", "localhost:30000"], "--url must be an http:// or https:// URL"),
+    (["--dataset", "/nowhere.json"], "loadgen: cannot read /nowhere.json"),
+    (["--url", "http://127.0.0.1:9", "--num-requests", "1"], "loadgen: cannot reach http://127.0.0.1:9"),
+])
+def test_loadgen_refuses_what_it_cannot_run_in_one_line(flags, says):
+    out = subprocess.run([sys.executable, "-m", "loadgen", *flags], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and says in out.stderr.strip().splitlines()[-1], out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def outcomes(c: Cluster) -> dict[str, float]:
