@@ -7,6 +7,12 @@ from typing import Any
 
 _INT64_MAX = 2**63 - 1
 MAX_N = 128  # samples of one prompt in one request (OpenAI's limit)
+# Work a request makes for every token of its own, on the process that streams everyone's tokens (stop strings
+# are matched on the coordinator's event loop; logit_bias entries are gathered on each step's batch), bounded
+# so that one request cannot slow the others: a thousand stop strings of a thousand characters took 9 ms a
+# token, 0.1 s before their matching was reworked.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 256
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -72,7 +78,8 @@ class SamplingParams:
     def validate(self) -> None:
         def need(ok: bool, name: str, msg: str):
             if not ok:
-                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+                got = repr(getattr(self, name))  # echoed to the client: a few hundred characters, not all of it
+                raise ValueError(f"{name} {msg}, got {got if len(got) <= 200 else got[:200] + ' ...'}")
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
@@ -94,6 +101,8 @@ class SamplingParams:
         need(self.seed is None or (is_int(self.seed) and -_INT64_MAX <= self.seed <= _INT64_MAX),
              "seed", "must be a 64-bit integer")
         need(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings")
+        need(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of token ids")
         need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
@@ -111,6 +120,8 @@ class SamplingParams:
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
              "logit_bias", "must map token ids to numbers in [-100, 100]")
+        need(self.logit_bias is None or len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"takes at most {MAX_LOGIT_BIAS} tokens")
 
     def sample(self, j: int) -> "SamplingParams":
         """The params of the j-th of n samples, each of which runs as a request of its own (n=1). A seeded

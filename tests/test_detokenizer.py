@@ -84,3 +84,33 @@ def test_no_text_longer_than_max_chars_encodes_within_the_token_count(tok, tmp_p
     with open(tmp_path / "tokenizer.json", "w") as f:
         json.dump(spec, f)
     assert Tokenizer(str(tmp_path)).max_chars(8192) is None
+
+
+def test_text_held_back_is_the_longest_end_that_could_begin_a_stop_string(tok):
+    """The streamable length leaves out exactly the longest end of the text that is a proper beginning of some
+    stop string (compared here with that definition spelled out, on texts and stop strings over two letters,
+    where such ends overlap the most)."""
+    import random
+
+    rng = random.Random(0)
+    d = IncrementalDetokenizer(tok, [])
+    for _ in range(3000):
+        d.text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 30)))
+        d.stop = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 12))) for _ in range(rng.randrange(1, 4))]
+        hold = max((k for s in d.stop for k in range(1, min(len(s) - 1, len(d.text)) + 1)
+                    if d.text.endswith(s[:k])), default=0)
+        assert d.stream_len == len(d.text) - hold, (d.text, d.stop)
+
+
+def test_stop_strings_and_logit_bias_are_bounded_by_what_one_request_may_cost_the_others():
+    """Stop strings are matched on the coordinator's event loop for every token: a thousand of a thousand
+    characters took 0.1 s a token there, stalling every stream; requests past the bounds are refused."""
+    from engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)})
+    with pytest.raises(ValueError, match=r"^stop takes at most 32 strings of at most 256 characters, got .{0,220}$"):
+        SamplingParams(stop=["x" * 10_000] * 1000)
+    with pytest.raises(ValueError, match="stop takes at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(ValueError, match=r"^logit_bias takes at most 1024 tokens, got .{0,220}$"):
+        SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)})
