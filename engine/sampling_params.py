@@ -12,7 +12,7 @@ MAX_N = 128  # samples of one prompt in one request (OpenAI's limit)
 # so that one request cannot slow the others: a thousand stop strings of a thousand characters took 9 ms a
 # token, 0.1 s before their matching was reworked.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 256
-MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS = MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -105,6 +105,8 @@ class SamplingParams:
              f"takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of token ids")
+        need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"takes at most {MAX_STOP_TOKEN_IDS} ids")
         need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
              "repetition_penalty", "must be in (0, 10]")
         need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,

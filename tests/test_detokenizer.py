@@ -114,3 +114,6 @@ def test_stop_strings_and_logit_bias_are_bounded_by_what_one_request_may_cost_th
         SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
     with pytest.raises(ValueError, match=r"^logit_bias takes at most 1024 tokens, got .{0,220}$"):
         SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)})
+    SamplingParams(stop_token_ids=list(range(1024)))
+    with pytest.raises(ValueError, match=r"^stop_token_ids takes at most 1024 ids"):
+        SamplingParams(stop_token_ids=list(range(1025)))
