@@ -131,6 +131,34 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
         c.stop()
 
 
+def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path_factory, reference, redis_server):
+    """Front doors scale out: a second coordinator on the same Redis registry finds the same workers, and
+    requests sent through both at once, interleaved in the workers' batches, each come back to the coordinator
+    that placed them with the colocated run's tokens; nothing is left behind in either pool."""
+    a = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", redis_url=redis_server.url)
+    b = Cluster(str(tmp_path_factory.mktemp("cluster")), redis_url=redis_server.url, backend="tcp")
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if len(b.workers()) == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.time() < deadline, "the second coordinator never saw the workers"
+            time.sleep(0.3)
+        doors = [a, b] * len(PROMPTS)
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: generate(doors[i], PROMPTS[i % len(PROMPTS)])["output_ids"],
+                                 range(2 * len(PROMPTS))))
+        assert outs[:len(PROMPTS)] == reference["ids"] and outs[len(PROMPTS):] == reference["ids"]
+        assert_pools_clean(a)
+        assert_pools_clean(b)
+    finally:
+        b.stop()
+        a.stop()
+
+
 @pytest.mark.parametrize("backend, registry", [("nixl", "memory"), ("tcp", "redis")])
 def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, reference, redis_server, backend,
                                                          registry):
