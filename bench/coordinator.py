@@ -1,6 +1,6 @@
 """How many streamed tokens one coordinator process turns into HTTP, with the workers out of the way.
 
-    python3 -m bench.coordinator [--streams 64,256] [--tokens 256] [--smoke]
+    python3 -m bench.coordinator [--runs 64@10,256@0] [--tokens 256] [--clients 8] [--smoke]
 
 A real coordinator process (`pdserve coordinator`, the embedded model's tokenizer) fronts a stand-in colocated
 worker that answers each Generate with tokens as fast as the coordinator takes them: one TokenBatch a "step"
@@ -8,7 +8,9 @@ holding a token for every request it runs, as a decode worker sends them. The to
 so detokenization does its real work. Clients stream `/v1/completions` (SSE, one chunk a token) or ask without
 streaming. The figure that matters is the coordinator's CPU time per token (its own process, from /proc), which
 does not depend on how many cores the clients and the stand-in take: its inverse is how many tokens a second
-one coordinator core can serve, to set against what the decode pool behind it produces.
+one coordinator core can serve, to set against what the decode pool behind it produces. With `--clients K`
+the requests come from K client processes, so that on a machine with the cores for them the clients stop
+being the bound and the tokens/s seen with the coordinator busy is its ceiling.
 """
 
 from __future__ import annotations
@@ -132,6 +134,21 @@ async def load(url: str, streams: int, tokens: int, stream: bool) -> tuple[int, 
         return sum(t for t, _ in counts), sum(c for _, c in counts), time.perf_counter() - t0
 
 
+def _load_in_process(url: str, streams: int, tokens: int, stream: bool) -> tuple[int, int, float]:
+    return asyncio.run(load(url, streams, tokens, stream))
+
+
+def load_from(pool, clients: int, url: str, streams: int, tokens: int, stream: bool) -> tuple[int, int, float]:
+    """`streams` requests split over `clients` processes of `pool` (or this one), all at once."""
+    if pool is None:
+        return asyncio.run(load(url, streams, tokens, stream))
+    shares = [streams // clients + (i < streams % clients) for i in range(clients)]
+    t0 = time.perf_counter()
+    futures = [pool.submit(_load_in_process, url, n, tokens, stream) for n in shares if n]
+    counts = [f.result() for f in futures]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts), time.perf_counter() - t0
+
+
 def parse_runs(spec: str) -> list[tuple[int, float, bool]]:
     """"64@10,256@0n" -> [(64 requests, a step every 10 ms, streamed), (256, as fast as taken, not streamed)]."""
     runs = []
@@ -148,11 +165,14 @@ def main() -> None:
                          "stepping at most every STEP_MS (0: as fast as the coordinator takes the tokens); "
                          "a trailing n: not streamed")
     ap.add_argument("--tokens", type=int, default=256, help="tokens each request asks for")
+    ap.add_argument("--clients", type=int, default=1, help="client processes the requests are split over")
     ap.add_argument("--smoke", action="store_true", help="a few small runs (CI)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--tokenizer", default=None,
                     help="a directory with tokenizer.json (default: the embedded model's), for machines without it")
     args = ap.parse_args()
+    if args.clients < 1:
+        ap.error("--clients must be >= 1")
     runs = parse_runs(args.runs)
     if args.smoke:
         runs, args.tokens = parse_runs("1@0,8@5,8@0n"), 32
@@ -178,13 +198,20 @@ def main() -> None:
     worker.start()
     url = f"http://127.0.0.1:{port}"
     rows = []
+    pool = None
+    if args.clients > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     try:
         wait_ready(url, coord)
-        asyncio.run(load(url, 4, 8, True))  # warm-up: connections, the first template and tokenizer calls
+        # Warm-up: connections, the first template and tokenizer calls, every client process started.
+        load_from(pool, args.clients, url, 4 * args.clients, 8, True)
         for streams, step_ms, stream in runs:
             worker.step_s = step_ms / 1e3
             c0 = cpu_seconds(coord.pid)
-            got, chunks, wall = asyncio.run(load(url, streams, args.tokens, stream))
+            got, chunks, wall = load_from(pool, args.clients, url, streams, args.tokens, stream)
             cpu = cpu_seconds(coord.pid) - c0
             want = streams * args.tokens
             if got != want:
@@ -195,11 +222,13 @@ def main() -> None:
                          "cpu_us_per_token": cpu / got * 1e6, "busy": cpu / wall})
             print(rows[-1], flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         worker.stop.set()
         coord.terminate()
         coord.wait(timeout=20)
-    print(f"\nOne coordinator process; {args.tokens} tokens a request; {os.cpu_count()} cores, shared with the "
-          "clients and the stand-in worker:\n")
+    print(f"\nOne coordinator process; {args.tokens} tokens a request; {os.cpu_count()} cores, shared with "
+          f"{args.clients} client process(es) and the stand-in worker:\n")
     print("| requests at once | worker step | streamed | tokens/s offered | tokens/s seen | chunks a token "
           "| coordinator CPU us a token | coordinator CPU busy |")
     print("|---|---|---|---|---|---|---|---|")

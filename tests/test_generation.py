@@ -122,16 +122,17 @@ def test_a_worker_error_after_queued_tokens_sends_them_then_fails(tok):
     assert workers.finished == ["r1"] and not workers.aborted  # the worker already dropped it
 
 
-def test_every_token_reaches_the_client_through_a_real_coordinator_at_any_pace():
+@pytest.mark.parametrize("clients", [1, 2])
+def test_every_token_reaches_the_client_through_a_real_coordinator_at_any_pace(clients):
     """bench/coordinator.py's smoke run: a coordinator process, a stand-in worker stepping as fast as its
-    tokens are taken (so they queue up and leave together) or every 5 ms, streamed and not; it stops with an
-    error when a client's usage counts fewer tokens than were asked for."""
+    tokens are taken (so they queue up and leave together) or every 5 ms, streamed and not, from one client
+    process or several; it stops with an error when a client's usage counts fewer tokens than were asked for."""
     import subprocess
     import sys
 
     from cluster import ROOT
 
-    r = subprocess.run([sys.executable, "-m", "bench.coordinator", "--smoke"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "bench.coordinator", "--smoke", "--clients", str(clients)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("| yes |") == 2 and r.stdout.count("| no |") == 1
