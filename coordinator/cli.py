@@ -32,6 +32,7 @@ def _add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "nixl", "cuda_ipc"])
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request body taken (413 beyond)")
 
 
 def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
@@ -56,7 +57,7 @@ def run_coordinator(ns) -> None:
                                model_path=ns.model_path, served_model_name=ns.served_model_name,
                                redis_url=ns.redis_url, api_keys=tuple(ns.api_key),
                                transfer_backend=ns.transfer_backend, admission_timeout_s=ns.admission_timeout,
-                               context_length=ns.context_length)
+                               context_length=ns.context_length, max_request_bytes=ns.max_request_bytes)
     except ValueError as e:
         raise SystemExit(f"pdserve coordinator: {e}") from None
     run(args)

@@ -25,7 +25,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              503: "service_unavailable_error"}.get(status, "server_error")
+                              413: "invalid_request_error", 503: "service_unavailable_error"}.get(status, "server_error")
         self.code = code
         self.headers = headers or {}
 

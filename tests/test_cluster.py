@@ -236,7 +236,8 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, embedded_converted):
-    c = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", api_key="sk-test")
+    c = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", api_key="sk-test",
+              coordinator_args=["--max-request-bytes", str(4 << 20)])
     yield c
     c.stop()
 
@@ -501,6 +502,26 @@ def test_bad_input_gets_openai_error_and_service_keeps_serving(cluster, path, bo
         if "word " in str(body)[:20] or len(str(body)) > 10**6:
             assert "maximum context length is 8192" in err["message"]
             assert err["code"] == "context_length_exceeded"
+        ok = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_a_body_past_the_size_limit_is_refused_with_413_unread_or_as_it_arrives(cluster):
+    """JSON is parsed on the event loop every stream shares, so a body over --max-request-bytes (4 MiB here)
+    is refused: at once when its Content-Length says so, and part way through when it comes without one."""
+    big = json.dumps({"model": MODEL, "prompt": [[7] * 1000] * 1400}).encode()  # about 4.2 MB of token ids
+    assert len(big) > 4 << 20
+
+    def chunks():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + (1 << 16)]
+
+    with cluster.client() as h:
+        for r in (h.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
+                  h.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})):
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_too_large" and "4,194,304 bytes" in err["message"]
         ok = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
 
