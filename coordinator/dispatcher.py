@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.registry import MemoryRegistry, Registry
+from engine.outage import OutageLog
 from engine.outbox import Outbox
 from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, LivePeers, PeerLeft, Prefill, Rejected,
                              TokenBatch, TokenDelta, WorkerInfo, decode)
@@ -129,6 +130,7 @@ class Dispatcher:
         # are left out, and said so once each.
         self.vocab = vocab
         self._foreign: set[str] = set()
+        self._registry_outage = OutageLog(logger, "reading the worker registry")
         self.transfer_backend = transfer_backend
         self.admission_timeout_s = admission_timeout_s
         self.ctx = zmq.asyncio.Context()
@@ -271,8 +273,9 @@ class Dispatcher:
                 alive = await asyncio.to_thread(self.refresh) if not isinstance(self.registry, MemoryRegistry) \
                     else self.refresh()
             except Exception as e:
-                logger.warning("registry unreachable: %s", e)
+                self._registry_outage.failed(e)
                 continue
+            self._registry_outage.ok()
             for gone in before - set(alive):
                 logger.warning("worker %s left the registry", gone)
                 for w in alive.values():

@@ -20,6 +20,7 @@ import zmq
 
 from engine.args import EngineArgs
 from engine.engine import Engine
+from engine.outage import OutageLog
 from engine.outbox import Outbox
 from engine.protocol import Heartbeat, KVLayout, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
 from transfer import available_backends, create_transfer
@@ -242,6 +243,7 @@ class _Heartbeat(threading.Thread):
         self.done = threading.Event()
         self.registry = None
         self.sock = None
+        self.outage = OutageLog(logger, "heartbeat to the registry")
         if worker.args.redis_url:
             from coordinator.registry import RedisRegistry
 
@@ -277,10 +279,11 @@ class _Heartbeat(threading.Thread):
                     self.registry.put(self.w.snapshot)
                 else:
                     self.sock.send(encode(Heartbeat(self.w.snapshot)), flags=zmq.NOBLOCK)
+                self.outage.ok()
             except zmq.Again:
                 pass
             except Exception as e:  # Redis down: keep serving, try again next beat
-                logger.warning("heartbeat failed: %s", e)
+                self.outage.failed(e)
             self.done.wait(self.w.args.heartbeat_interval_s)
 
     def stop(self) -> None:
