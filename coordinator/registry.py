@@ -69,6 +69,10 @@ class RedisRegistry(Registry):
         self.prefix = prefix
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(WorkerInfo)
+        self.clock = time.monotonic
+        self._run_id: str | None = None  # the Redis server's, to tell a restart
+        self._restarted_at = float("-inf")
+        self._last: dict[str, WorkerInfo] = {}
 
     def _key(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
@@ -80,17 +84,27 @@ class RedisRegistry(Registry):
         self.client.delete(self._key(worker_id))
 
     def alive(self):
+        run_id = self.client.info("server").get("run_id")
         keys = list(self.client.scan_iter(match=self._key("*"), count=1000))
-        if not keys:
-            return []
         out = []
-        for raw in self.client.mget(keys):
+        for raw in self.client.mget(keys) if keys else []:
             if raw is None:  # expired between scan and get
                 continue
             try:
                 out.append(self._dec.decode(raw))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+        # A Redis that restarted comes back empty, and each worker's entry returns only with its next heartbeat:
+        # read as it is, every worker would look dead at once and every request in flight be placed again.
+        # For a TTL after a restart, a worker seen before it still counts as alive.
+        now = self.clock()
+        if self._run_id is not None and run_id != self._run_id:
+            self._restarted_at = now
+        self._run_id = run_id
+        if now - self._restarted_at < self.ttl_s:
+            seen = {w.worker_id for w in out}
+            out += [w for wid, w in self._last.items() if wid not in seen]
+        self._last = {w.worker_id: w for w in out}
         return out
 
     def close(self):

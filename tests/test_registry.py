@@ -43,3 +43,48 @@ def test_workers_appear_refresh_and_expire(registry):
     assert [w.worker_id for w in registry.alive()] == ["p1"]
     registry.remove("p1")
     assert registry.alive() == []
+
+
+def test_a_redis_restart_does_not_make_every_worker_look_dead(tmp_path):
+    """Redis comes back from a restart empty, and each worker's entry only with its next heartbeat: for a TTL
+    after the restart the workers seen before still count as alive (else every request in flight would be
+    placed again), one that does not beat again by then is gone, and those that do are seen afresh."""
+    import shutil
+    import subprocess
+
+    from cluster import free_port
+
+    port = free_port()
+
+    def server():
+        return subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                                 "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+
+    def wait_up(reg):
+        for _ in range(200):
+            try:
+                return reg.client.ping()
+            except Exception:
+                time.sleep(0.05)
+
+    proc = server()
+    reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", ttl_s=1.0)
+    try:
+        wait_up(reg)
+        reg.put(info("p1", "prefill"))
+        reg.put(info("d1", "decode"))
+        assert sorted(w.worker_id for w in reg.alive()) == ["d1", "p1"]
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc = server()
+        wait_up(reg)
+        assert sorted(w.worker_id for w in reg.alive()) == ["d1", "p1"], "seconds after the restart: both"
+        reg.put(info("p1", "prefill", running=2))  # p1 beats again; d1 never does
+        assert {w.worker_id: w.load.running for w in reg.alive()} == {"p1": 2, "d1": 0}
+        time.sleep(1.1)
+        reg.put(info("p1", "prefill", running=2))
+        assert [w.worker_id for w in reg.alive()] == ["p1"], "a TTL on, only the worker that beat again"
+    finally:
+        reg.close()
+        proc.terminate()
+        proc.wait(timeout=10)
