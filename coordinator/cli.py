@@ -225,11 +225,21 @@ def check_own_kernels() -> None:
                          "import name); install pdserve in an environment without it")
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     check_own_kernels()
     ap = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+    ap.add_argument("--version", action="version", version=f"pdserve {package_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_coordinator_args(sub.add_parser("coordinator", help="the HTTP front door"))
     _add_worker_args(sub.add_parser("prefill", help="a prefill worker"), "prefill")

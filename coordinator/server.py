@@ -503,6 +503,12 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        from coordinator.cli import package_version
+
+        return {"version": package_version()}
+
     @app.get("/health/ready")
     async def ready():
         workers = list(co.dispatcher.workers.values())

@@ -552,6 +552,20 @@ def test_api_key_is_required(cluster):
     assert httpx.get(f"{cluster.url}/health").status_code == 200
 
 
+def test_the_server_and_the_cli_say_the_installed_version():
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "--version"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"pdserve {version('pdserve')}"
+
+
+def test_version_needs_no_key(cluster):
+    from importlib.metadata import version
+
+    assert httpx.get(f"{cluster.url}/version").json() == {"version": version("pdserve")}
+
+
 def test_client_disconnect_frees_pages_on_both_workers(cluster):
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400,
                                             "ignore_eos": True, "stream": True}),
