@@ -77,7 +77,8 @@ class Tracked:
 
 
 def _pairs(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
-    """Same layout: the pages fit; same weights: the KV in them means what the decode worker expects."""
+    """Same layout: the pages fit; same weights: the KV in them means what the decode worker expects.
+    (Dispatcher._note_unpaired compares the same two fields.)"""
     return prefill.layout == decode.layout and prefill.weights == decode.weights
 
 
@@ -130,6 +131,7 @@ class Dispatcher:
         # are left out, and said so once each.
         self.vocab = vocab
         self._foreign: set[str] = set()
+        self._unpaired: set[str] = set()
         self._registry_outage = OutageLog(logger, "reading the worker registry")
         self.transfer_backend = transfer_backend
         self.admission_timeout_s = admission_timeout_s
@@ -250,7 +252,27 @@ class Dispatcher:
     # --- the registry's view -------------------------------------------------------------------------------
     def refresh(self) -> dict[str, WorkerInfo]:
         self.workers = {w.worker_id: w for w in self.registry.alive() if self._ours(w)}
+        self._note_unpaired()
         return self.workers
+
+    def _note_unpaired(self) -> None:
+        """Say once of each prefill or decode worker that no worker of the other role can pair with (other
+        weights or page layout, as while an upgrade is rolled out): it gets no requests until one can."""
+        kinds = {"prefill": set(), "decode": set()}  # what pairing compares (_pairs), by role
+        for w in self.workers.values():
+            if w.role in kinds:
+                kinds[w.role].add((w.layout, w.weights))
+        for w in self.workers.values():
+            if w.role not in kinds:
+                continue
+            other = kinds["decode" if w.role == "prefill" else "prefill"]
+            if not other or (w.layout, w.weights) in other:
+                self._unpaired.discard(w.worker_id)
+            elif w.worker_id not in self._unpaired:
+                self._unpaired.add(w.worker_id)
+                logger.warning("%s worker %s pairs with no %s worker (weights %s, pages %s): it gets no requests",
+                               w.role, w.worker_id, "decode" if w.role == "prefill" else "prefill", w.weights or "?",
+                               w.layout)
 
     def _ours(self, w: WorkerInfo) -> bool:
         if not self.vocab or not w.vocab or w.vocab == self.vocab:

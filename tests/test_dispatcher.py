@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 import zmq
@@ -381,7 +382,7 @@ def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(two_pref
     run(scenario())
 
 
-def test_prefill_and_decode_workers_pair_only_when_their_weights_agree(cluster):
+def test_prefill_and_decode_workers_pair_only_when_their_weights_agree(cluster, caplog):
     """KV from one checkpoint is garbage to another of the same shapes (two fine-tunes of a base, an upgrade
     rolled half way): a decode worker of other weights is never asked for pages, however idle, and a prefill
     worker that no decode worker matches gets no prompts, however idle."""
@@ -414,9 +415,13 @@ def test_prefill_and_decode_workers_pair_only_when_their_weights_agree(cluster):
             assert not [m for m in workers["d0"].drain() if isinstance(m, Allocate)]
 
     try:
-        run(scenario())
+        with caplog.at_level(logging.WARNING, logger="coordinator.dispatcher"):
+            run(scenario())
     finally:
         workers.pop("p1").sock.close(0)
+    warned = [r.getMessage() for r in caplog.records if "pairs with no" in r.getMessage()]
+    assert warned == ["prefill worker p1 pairs with no decode worker (weights v2, pages "
+                      f"{workers['p0'].info.layout}): it gets no requests"], "once, when d0 left"
 
 
 def test_workers_whose_token_ids_mean_something_else_get_no_requests(cluster, caplog):
