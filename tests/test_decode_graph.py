@@ -13,6 +13,16 @@ from engine.graph import DecodeGraphs
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _few_programs(monkeypatch):
+    """The Triton interpreter runs a launch's programs one after another, each in Python. The GPU's target (a
+    few programs per SM) would cut these tests' short contexts into 16 mostly empty splits; a target of 8 keeps
+    the few-requests launch and two splits to merge (tests/test_triton_attention.py covers the splitting)."""
+    from kernels.attention.triton_backend import TritonBackend
+
+    monkeypatch.setattr(TritonBackend, "target_programs", 8)
+
+
 def test_graph_buffers_hold_the_eager_step_padded_to_the_bucket(tiny_llama):
     path, _ = tiny_llama
     pytest.importorskip("triton")
