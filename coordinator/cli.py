@@ -45,7 +45,9 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
     p.add_argument("--coordinator-addr", default=None, help="the coordinator's ZMQ address (no Redis)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--transfer-backends", default="auto", help="auto, or a list such as tcp,nixl")
-    p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--transfer-timeout", type=float, default=60.0,
+                   help="seconds a decode worker holds pages for a prompt's KV; prompts the prefill workers have "
+                        "not computed by then fail")
     p.add_argument("--served-model-name", default=None)
 
 

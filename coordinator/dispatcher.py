@@ -50,6 +50,7 @@ class Tracked:
     first_token: bool = False
     done: bool = False
     alloc: Allocated | None = None
+    alloc_at: float = 0.0  # when the Allocated reply came (monotonic): its kv_timeout_s counts from then
     backend: str | None = None
     attempt: int = 0  # placements so far beyond the first (a worker died under the request)
     generated: list[int] = field(default_factory=list)  # tokens delivered by the current placement
@@ -195,6 +196,9 @@ class Dispatcher:
                 self.workers[msg.info.worker_id] = msg.info
         elif isinstance(msg, (Allocated, Rejected)):
             fut = self._replies.pop(msg.rid, None)  # keyed by the placement's wire id
+            t = self.by_wire.get(msg.rid)
+            if t is not None:
+                t.alloc_at = time.monotonic()
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, TokenBatch):
@@ -488,8 +492,11 @@ class Dispatcher:
         t.backend = backend
         t.prefill_counted = len(t.prompt_ids)
         self._prefill_inflight[prefill.worker_id] = self._prefill_inflight.get(prefill.worker_id, 0) + t.prefill_counted
+        # What is left of the decode worker's wait, as far as this clock tells (a prefill worker sent the prompt
+        # again after another died has less of it).
+        left = None if alloc.kv_timeout_s is None else alloc.kv_timeout_s - (time.monotonic() - t.alloc_at)
         self._send(prefill.ctrl_addr, Prefill(t.wire, t.prompt_ids, t.params, self.addr, dec.worker_id, dec.ctrl_addr,
-                                              backend, dec.transfer[backend], alloc.pages, alloc.skip_pages))
+                                              backend, dec.transfer[backend], alloc.pages, alloc.skip_pages, left))
 
     async def _replace_prefill(self, t: Tracked) -> None:
         """The prefill worker died before the first token: the decode worker still holds the pages, so

@@ -16,12 +16,18 @@ from engine.request import Logprob
 
 logger = logging.getLogger(__name__)
 
+# The prefill worker starts no transfer once the --transfer-timeout it was given has passed (it fails the request
+# and says so instead). Its clock of that timeout starts later than this worker's, by the messages' way through
+# the coordinator, and a write started just in time must still land: the pages are kept this much longer before
+# they are taken back, so that no late write reaches pages another request holds.
+WRITE_GRACE_S = 10.0
+
 
 @dataclass
 class _Meta:
     reply_to: str
     backend: str | None = None  # None: computed here (Generate)
-    deadline: float = 0.0  # awaiting KV until then
+    deadline: float = 0.0  # awaiting KV until then (--transfer-timeout and WRITE_GRACE_S)
     aborted: bool = False  # one-sided transfer still may land: pages quarantined until then
 
 
@@ -87,8 +93,9 @@ class DecodeRole:
                                                    f"transfer backend {msg.backend!r} not offered", False))
                 continue
             transfer.expect(msg.rid, req.pages[skip:])
-            self.meta[msg.rid] = _Meta(msg.reply_to, msg.backend, now + self.w.args.transfer_timeout_s)
-            self.w.send(msg.reply_to, Allocated(msg.rid, self.w.worker_id, list(req.pages), skip))
+            timeout = self.w.args.transfer_timeout_s
+            self.meta[msg.rid] = _Meta(msg.reply_to, msg.backend, now + timeout + WRITE_GRACE_S)
+            self.w.send(msg.reply_to, Allocated(msg.rid, self.w.worker_id, list(req.pages), skip, timeout))
 
     def _abort(self, rid: str) -> None:
         self.pending_alloc = deque((d, m) for d, m in self.pending_alloc if m.rid != rid)
@@ -154,7 +161,10 @@ class DecodeRole:
         now = time.monotonic()
         for rid, meta in list(self.meta.items()):
             if meta.backend is not None and rid in self.engine.awaiting and now > meta.deadline:
-                logger.warning("KV of %s did not arrive within %.0fs", rid, self.w.args.transfer_timeout_s)
+                # The prefill worker neither sent the KV nor said it would not (it may have died unseen).
+                waited = self.w.args.transfer_timeout_s + WRITE_GRACE_S
+                logger.warning("KV of %s did not arrive within %.0f s", rid, waited)
                 if not meta.aborted:
-                    self._send(meta.reply_to, TokenDelta(rid, [], error="KV transfer timed out"))
+                    self._send(meta.reply_to, TokenDelta(rid, [], error=f"the prompt's KV did not arrive within "
+                                                                        f"{waited:.0f} s"))
                 self._drop(rid)

@@ -107,6 +107,8 @@ class Allocated(msgspec.Struct, tag=True):
     worker_id: str
     pages: list[int]
     skip_pages: int  # leading pages the decode worker already has (from its prefix cache)
+    # Seconds from this reply within which the KV must start on its way (--transfer-timeout); None: no limit.
+    kv_timeout_s: float | None = None
 
 
 class Rejected(msgspec.Struct, tag=True):
@@ -127,6 +129,9 @@ class Prefill(msgspec.Struct, tag=True):
     decode_endpoint: bytes  # the decode worker's transfer endpoint for that backend
     dst_pages: list[int]
     skip_pages: int
+    # Seconds left to start sending the KV: past them the decode worker may reuse the pages, so nothing may be
+    # written into them (the prefill worker fails the request instead). None: no limit.
+    kv_deadline_s: float | None = None
 
 
 # A prompt token's logprob and the top (token id, logprob) pairs at its position (params.prompt_logprobs); the

@@ -42,7 +42,8 @@ class WorkerArgs:
     worker_id: str | None = None
     # Transfer backends to offer: "auto" = every one available here, or a comma-separated list.
     transfer_backends: str = "auto"
-    # Seconds a decode worker waits for a request's KV before giving up on it.
+    # Seconds a decode worker holds pages for a request's KV: a prefill worker that has not started sending it
+    # by then fails the request (decode/role.py, prefill/role.py).
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 0.5
     served_model_name: str | None = None

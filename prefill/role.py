@@ -1,9 +1,15 @@
 """The prefill role: compute prompts in chunked batches, sample the first token, push the KV to the decode
-worker the coordinator chose, and tell it the first token once the pages have landed."""
+worker the coordinator chose, and tell it the first token once the pages have landed.
+
+The decode worker holds the destination pages for a limited time (Prefill.kv_deadline_s). A prompt not computed
+by then is dropped here, whether it still waits or is half computed, and both the decode worker and the
+coordinator are told: the decode worker may then reuse the pages, because nothing will be written into them."""
 
 from __future__ import annotations
 
+import heapq
 import logging
+import time
 
 from engine.protocol import Abort, KVReady, Prefill, TokenBatch, TokenDelta, encode, wire_prompt_logprobs
 
@@ -15,6 +21,8 @@ class PrefillRole:
         self.w = worker
         self.engine = worker.engine
         self.meta: dict[str, Prefill] = {}
+        self.deadlines: list[tuple[float, str]] = []  # (monotonic deadline, rid), a heap
+        self.deadline: dict[str, float] = {}
 
     def pending(self) -> int:
         return 0
@@ -27,6 +35,7 @@ class PrefillRole:
             self._prefill(msg)
         elif isinstance(msg, Abort):
             self.meta.pop(msg.rid, None)
+            self.deadline.pop(msg.rid, None)
             self.engine.abort(msg.rid)
         else:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
@@ -44,6 +53,19 @@ class PrefillRole:
             self.engine.abort(msg.rid)
             return self._fail(msg, f"destination has {len(msg.dst_pages)} pages, the prompt needs {n_pages}")
         self.meta[msg.rid] = msg
+        if msg.kv_deadline_s is not None:
+            if msg.kv_deadline_s <= 0:
+                return self._late(msg.rid)
+            self.deadline[msg.rid] = at = time.monotonic() + msg.kv_deadline_s
+            heapq.heappush(self.deadlines, (at, msg.rid))
+
+    def _late(self, rid: str) -> None:
+        """The decode worker's wait for this request's KV is over: compute and send nothing more of it."""
+        msg = self.meta.pop(rid)
+        self.deadline.pop(rid, None)
+        self.engine.abort(rid)
+        self._fail(msg, "the prompt was not computed before the decode worker stopped waiting for its KV "
+                        "(--transfer-timeout); the prefill workers are overloaded")
 
     def _fail(self, msg: Prefill, error: str, retryable: bool = False) -> None:
         logger.warning("prefill of %s failed: %s", msg.rid, error)
@@ -52,9 +74,13 @@ class PrefillRole:
                                                                            retryable=retryable)]))
 
     def on_step(self, reqs) -> None:
+        now = time.monotonic()
         for req in reqs:
             msg = self.meta.get(req.rid)
             if msg is None or req.rid not in self.engine.held:
+                continue
+            if now >= self.deadline.pop(req.rid, now + 1.0):
+                self._late(req.rid)
                 continue
             lp = req.logprobs[0] if req.logprobs else None
             ready = KVReady(req.rid, req.output_ids[0], lp.logprob if lp else None,
@@ -76,4 +102,9 @@ class PrefillRole:
                     self._fail(msg, f"KV transfer failed: {res.error}", retryable=True)
 
     def tick(self) -> None:
-        pass
+        now = time.monotonic()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self.deadlines)
+            # Gone: sent (on_step took its deadline), failed or aborted.
+            if rid in self.deadline and rid in self.meta:
+                self._late(rid)

@@ -449,3 +449,34 @@ def test_workers_whose_token_ids_mean_something_else_get_no_requests(cluster, ca
     run(scenario())
     warned = [r for r in caplog.records if "vocabulary is not this coordinator's" in r.getMessage()]
     assert len(warned) == 1 and "d0" in warned[0].getMessage()
+
+
+def test_the_prefill_worker_is_told_what_is_left_of_the_decode_workers_wait(two_prefills):
+    """The decode worker holds the pages for kv_timeout_s from its reply; the prefill worker must start sending
+    within what is left of that. One that gets the prompt after another prefill worker died gets less."""
+    registry, workers, reply = two_prefills
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            placing = asyncio.create_task(d.submit(list(range(100)), {}))
+            for _ in range(500):
+                asked = [(n, m) for n in ("d0", "d1") for m in workers[n].drain() if isinstance(m, Allocate)]
+                if asked:
+                    break
+                await asyncio.sleep(0.01)
+            name, alloc = asked[0]
+            reply.send(encode(Allocated(alloc.rid, name, [3, 4, 5, 6, 7, 8, 9], 0, kv_timeout_s=60.0)))
+            t = await placing
+            first = await workers[t.prefill_id].next()
+            assert 59.0 < first.kv_deadline_s <= 60.0
+
+            await asyncio.sleep(0.5)
+            dead = t.prefill_id
+            other = "p1" if dead == "p0" else "p0"
+            registry.remove(dead)  # it dies before the first token
+            assert await workers[other].next() == PeerLeft(dead)
+            again = await workers[other].next()
+            assert isinstance(again, Prefill) and again.rid == t.wire and again.dst_pages == first.dst_pages
+            assert again.kv_deadline_s <= first.kv_deadline_s - 0.5
+
+    run(scenario())

@@ -8,8 +8,9 @@ Receiver side (decode worker): `expect()` a request before its pages can arrive;
 the notifications of requests whose KV is complete; `forget()` stops expecting a request (abort, timeout).
 Whether `forget()` is final depends on the backend: a two-sided backend (tcp) writes pages itself and drops
 data for requests it no longer expects, so the pages can be reused at once; a one-sided backend (nixl) lets
-the sender write remotely, so pages of a forgotten request stay quarantined until its notification arrives
-or the transfer timeout passes (`one_sided`).
+the sender write remotely, so pages of a forgotten request stay quarantined until its notification arrives,
+the sender says it will send nothing, or the transfer timeout (past which no sender starts a write) and a
+grace period pass (`one_sided`).
 """
 
 from __future__ import annotations
