@@ -294,6 +294,7 @@ class Dispatcher:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            self.outbox.flush()
             before = set(self.workers)
             try:
                 alive = await asyncio.to_thread(self.refresh) if not isinstance(self.registry, MemoryRegistry) \

@@ -195,6 +195,7 @@ class Worker:
     def run_once(self) -> None:
         if self.followers is not None:
             self.followers.check()
+        self.outbox.flush()
         while True:
             try:
                 raw = self.ctrl.recv(flags=zmq.NOBLOCK)

@@ -1,0 +1,75 @@
+"""Messages to a peer that falls behind (a coordinator slower than its decode workers' token rate) wait, in
+order, instead of being dropped: a dropped TokenBatch would be a silent hole in a client's text. Real ZMQ."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from engine.outbox import Outbox
+from engine.protocol import TokenBatch, TokenDelta, decode
+
+
+def slow_peer(ctx):
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 5)
+    sock.bind("tcp://127.0.0.1:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def batch(i: int) -> TokenBatch:
+    return TokenBatch("d0", [TokenDelta(f"r{i % 3}", [i])])
+
+
+def receive_all(sock, out: Outbox, n: int, timeout: float = 10.0) -> list[int]:
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        out.flush()  # the owner's loop
+        try:
+            got.append(decode(sock.recv(flags=zmq.NOBLOCK)).items[0].token_ids[0])
+        except zmq.Again:
+            time.sleep(0.001)
+    return got
+
+
+def test_a_peer_that_takes_nothing_for_a_while_gets_every_message_in_order(caplog):
+    ctx = zmq.Context()
+    sock, addr = slow_peer(ctx)
+    out = Outbox(ctx, hwm=5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.outbox"):
+            assert all(out.send(addr, batch(i)) for i in range(5000))  # the peer reads nothing meanwhile
+        assert out.backlog() > 0, "ZMQ's queues (and the kernel's) hold some; the rest waits in the outbox"
+        assert sum("not keeping up" in r.message for r in caplog.records) == 1, "said once, not per message"
+        assert receive_all(sock, out, 5000) == list(range(5000))
+        assert out.backlog() == 0
+        # Caught up: sent straight away again.
+        out.send(addr, batch(7))
+        assert receive_all(sock, out, 1) == [7] and out.backlog() == 0
+    finally:
+        out.close()
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_peer_that_takes_nothing_at_all_costs_bounded_memory(caplog):
+    ctx = zmq.Context()
+    out = Outbox(ctx, hwm=5, max_backlog=50)
+    sock, addr = slow_peer(ctx)
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.outbox"):
+            sent = [out.send(addr, batch(i)) for i in range(20000)]
+        assert out.backlog() == 50 and not all(sent)
+        assert sum("dropping messages" in r.message for r in caplog.records) == 1
+        # Another peer is not held up by it.
+        other, other_addr = slow_peer(ctx)
+        assert out.send(other_addr, batch(1)) and receive_all(other, out, 1) == [1]
+        other.close(0)
+    finally:
+        out.close()
+        sock.close(0)
+        ctx.term()
