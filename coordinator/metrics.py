@@ -54,6 +54,8 @@ class _WorkerCollector:
             "cached": GaugeMetricFamily("pdserve_kv_cached_pages", "KV pages held by the prefix cache", labels=labels),
             "peers": GaugeMetricFamily("pdserve_kv_transfer_peers", "Peers the KV transfer engines hold mappings "
                                        "or connections for", labels=labels),
+            "backlog": GaugeMetricFamily("pdserve_worker_outbox_backlog", "Messages a worker holds for a peer that "
+                                         "falls behind (a coordinator slower than its workers)", labels=labels),
             "tp": GaugeMetricFamily("pdserve_worker_tp_size", "Tensor-parallel ranks (GPUs) of the worker",
                                     labels=labels),
         }
@@ -79,6 +81,7 @@ class _WorkerCollector:
             g["usage"].add_metric(lv, used / ld.total_pages if ld.total_pages else 0.0)
             g["cached"].add_metric(lv, ld.cached_pages)
             g["peers"].add_metric(lv, ld.transfer_peers)
+            g["backlog"].add_metric(lv, ld.outbox_backlog)
             g["tp"].add_metric(lv, w.layout.tp_size)
             c["hit"].add_metric(lv, ld.prefix_hit_tokens)
             c["query"].add_metric(lv, ld.prefix_query_tokens)

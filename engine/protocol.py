@@ -35,6 +35,7 @@ class WorkerLoad(msgspec.Struct):
     transfer_count: int = 0
     transfer_failures: int = 0
     transfer_peers: int = 0  # peers the transfer engines hold connections or mappings for
+    outbox_backlog: int = 0  # messages waiting for a peer that falls behind (engine/outbox.py)
 
 
 class KVLayout(msgspec.Struct, frozen=True):

@@ -164,7 +164,8 @@ class Worker:
             # Rank 0 counts its own share; every rank moves as many bytes (equal shards of the KV heads).
             transfer_bytes=sum(t.bytes for t in tstats) * e.args.tp_size, transfer_seconds=sum(t.seconds for t in tstats),
             transfer_count=sum(t.count for t in tstats), transfer_failures=sum(t.failures for t in tstats),
-            transfer_peers=sum(t.peers_held() for t in self.transfers.values()))
+            transfer_peers=sum(t.peers_held() for t in self.transfers.values()),
+            outbox_backlog=self.outbox.backlog())
         p = e.pool
         return WorkerInfo(
             worker_id=self.worker_id, role=self.args.role, host=self.args.host, ctrl_addr=self.ctrl_addr,

@@ -118,8 +118,10 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
         for name in ("pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds",
                      "pdserve_requests", "pdserve_prompt_tokens", "pdserve_generation_tokens",
                      "pdserve_queue_depth", "pdserve_running_requests", "pdserve_kv_pool_usage_ratio",
-                     "pdserve_prefix_cache_hit_tokens", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_failures"):
+                     "pdserve_prefix_cache_hit_tokens", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_failures",
+                     "pdserve_worker_outbox_backlog"):
             assert name in families, name
+        assert all(s.value == 0 for s in families["pdserve_worker_outbox_backlog"].samples), "a coordinator keeping up"
         sent = [s for s in families["pdserve_kv_transfer_bytes"].samples if s.labels["role"] == "prefill"]
         assert sent and sent[0].value > 0
         # The prefix shared by four prompts was found in the prefill worker's cache.
