@@ -5,6 +5,9 @@ rate, or stalled) waits in a backlog and goes before anything newer, rather than
 TokenBatch would leave a hole in a client's text that nothing downstream could see. Blocking instead would
 stall every other peer's requests behind the slow one. The backlog is bounded: a peer that takes nothing
 while `max_backlog` messages pile up is taken for gone, and what is addressed to it is dropped, said once.
+
+A socket unused for `idle_close_s` is closed (the next message opens another): over weeks of workers coming
+and going, sockets to departed peers would otherwise pile up, each retrying its connection forever.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ logger = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(self, ctx: zmq.Context, hwm: int = 10000, max_backlog: int = 100_000):
+    def __init__(self, ctx: zmq.Context, hwm: int = 10000, max_backlog: int = 100_000, idle_close_s: float = 600.0):
         self.ctx = ctx
         self.hwm = hwm
         self.max_backlog = max_backlog
+        self.idle_close_s = idle_close_s
         self._socks: dict[str, zmq.Socket] = {}
+        self._used: dict[str, float] = {}  # when each socket last took a message
+        self._next_sweep = time.monotonic() + idle_close_s
         self._backlog: dict[str, deque[bytes]] = {}
         self._dropped: dict[str, int] = {}
         self._warned: dict[str, float] = {}  # when each peer was last said to lag (at most every 30 s)
@@ -39,6 +45,7 @@ class Outbox:
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.connect(addr)
             self._socks[addr] = sock
+        self._used[addr] = time.monotonic()
         data = encode(msg)
         waiting = self._backlog.get(addr)
         if waiting is None:
@@ -61,9 +68,20 @@ class Outbox:
         return True
 
     def flush(self) -> None:
-        """Send what waits, as far as the peers take it (called from the owner's loop)."""
+        """Send what waits, as far as the peers take it, and close idle sockets (called from the owner's loop)."""
         for addr in list(self._backlog):
             self._flush(addr)
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + min(self.idle_close_s, 30.0)
+            for addr, used in list(self._used.items()):
+                if now - used >= self.idle_close_s and addr not in self._backlog:
+                    self._socks.pop(addr).close(0)
+                    del self._used[addr]
+
+    def peers(self) -> int:
+        """Sockets open now."""
+        return len(self._socks)
 
     def backlog(self) -> int:
         return sum(len(q) for q in self._backlog.values())

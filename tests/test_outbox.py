@@ -73,3 +73,26 @@ def test_a_peer_that_takes_nothing_at_all_costs_bounded_memory(caplog):
         out.close()
         sock.close(0)
         ctx.term()
+
+
+def test_sockets_to_peers_unused_for_a_while_are_closed_and_reopened_when_needed():
+    ctx = zmq.Context()
+    out = Outbox(ctx, idle_close_s=0.2)
+    peers = [slow_peer(ctx) for _ in range(3)]
+    try:
+        for i, (_, addr) in enumerate(peers):
+            out.send(addr, batch(i))
+        assert out.peers() == 3
+        time.sleep(0.1)
+        out.send(peers[0][1], batch(10))  # still in use
+        time.sleep(0.15)
+        out.flush()
+        assert out.peers() == 1, "the two idle ones are closed"
+        out.send(peers[1][1], batch(11))
+        assert out.peers() == 2
+        assert receive_all(peers[1][0], out, 2) == [1, 11], "what was sent before the close arrived"
+    finally:
+        out.close()
+        for s, _ in peers:
+            s.close(0)
+        ctx.term()
