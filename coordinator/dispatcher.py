@@ -307,6 +307,10 @@ class Dispatcher:
                 logger.warning("worker %s left the registry", gone)
                 for w in alive.values():
                     self._send(w.ctrl_addr, PeerLeft(gone))
+                # Up to 100,000 page hashes: kept for departed workers, they would pile up as workers come
+                # and go (a worker that comes back under the same id starts with its cache cold anyway).
+                self._prefix.pop(gone, None)
+                self._unpaired.discard(gone)
             if time.monotonic() >= self._next_live_peers:
                 # Catches what no PeerLeft was sent for: workers that died while this coordinator was down.
                 self._next_live_peers = time.monotonic() + self.live_peers_interval_s

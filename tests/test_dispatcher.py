@@ -358,6 +358,25 @@ def test_samples_of_one_prompt_go_to_the_workers_of_the_first(two_prefills):
     run(scenario())
 
 
+def test_what_the_coordinator_knows_of_a_prefill_workers_cache_goes_with_the_worker(two_prefills):
+    """Each prefill worker's index of the prompts it was sent holds up to 100,000 page hashes: a worker that
+    leaves the registry takes its index along, or they would pile up as workers come and go."""
+    registry, workers, reply = two_prefills
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            t = await place_through(d, workers, reply, list(range(200)))
+            assert d._prefix[t.prefill_id].seen
+            registry.remove(t.prefill_id)
+            for _ in range(200):
+                if t.prefill_id not in d._prefix:
+                    break
+                await asyncio.sleep(0.01)
+            assert t.prefill_id not in d._prefix
+
+    run(scenario())
+
+
 def test_a_prompt_goes_where_its_prefix_saves_more_than_the_queue_costs(two_prefills):
     """A prefill worker with 40 tokens in flight but the first 192 of a prompt cached is done with it sooner
     than an idle one that would compute all 210."""
