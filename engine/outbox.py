@@ -3,11 +3,13 @@
 A message the peer has no room for (its queue and ours full: a coordinator behind the decode workers' token
 rate, or stalled) waits in a backlog and goes before anything newer, rather than being dropped: a lost
 TokenBatch would leave a hole in a client's text that nothing downstream could see. Blocking instead would
-stall every other peer's requests behind the slow one. The backlog is bounded: a peer that takes nothing
-while `max_backlog` messages pile up is taken for gone, and what is addressed to it is dropped, said once.
+stall every other peer's requests behind the slow one. The backlog is bounded: past `max_backlog` messages,
+or once the peer has taken nothing for `idle_close_s`, it is taken for gone and what is addressed to it is
+dropped, said once.
 
-A socket unused for `idle_close_s` is closed (the next message opens another): over weeks of workers coming
-and going, sockets to departed peers would otherwise pile up, each retrying its connection forever.
+A socket that has taken nothing for `idle_close_s` is closed (the next message opens another): over weeks of
+workers coming and going, sockets to departed peers would otherwise pile up, each retrying its connection
+forever, with whatever was queued for them.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class Outbox:
         self.max_backlog = max_backlog
         self.idle_close_s = idle_close_s
         self._socks: dict[str, zmq.Socket] = {}
-        self._used: dict[str, float] = {}  # when each socket last took a message
-        self._next_sweep = time.monotonic() + idle_close_s
+        self._took: dict[str, float] = {}  # when each socket last took a message (or was opened)
         self._backlog: dict[str, deque[bytes]] = {}
         self._dropped: dict[str, int] = {}
         self._warned: dict[str, float] = {}  # when each peer was last said to lag (at most every 30 s)
+        self._next_sweep = time.monotonic() + min(idle_close_s, 30.0)
 
     def send(self, addr: str, msg) -> bool:
         """Send `msg` to `addr`, after whatever waits for it; False (and a warning) when it had to be dropped."""
@@ -45,12 +47,13 @@ class Outbox:
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.connect(addr)
             self._socks[addr] = sock
-        self._used[addr] = time.monotonic()
+            self._took[addr] = time.monotonic()
         data = encode(msg)
         waiting = self._backlog.get(addr)
         if waiting is None:
             try:
                 sock.send(data, flags=zmq.NOBLOCK)
+                self._took[addr] = time.monotonic()
                 return True
             except zmq.Again:
                 now = time.monotonic()
@@ -59,32 +62,41 @@ class Outbox:
                     logger.warning("%s is not keeping up: messages to it wait here", addr)
                 self._backlog[addr] = waiting = deque()
         if len(waiting) >= self.max_backlog:
-            if addr not in self._dropped:
-                logger.error("dropping messages to %s: it took none of the last %d", addr, len(waiting))
-            self._dropped[addr] = self._dropped.get(addr, 0) + 1
+            self._drop(addr, 1)
             return False
         waiting.append(data)
         self._flush(addr)
         return True
 
     def flush(self) -> None:
-        """Send what waits, as far as the peers take it, and close idle sockets (called from the owner's loop)."""
+        """Send what waits, as far as the peers take it; close what is idle (called from the owner's loop)."""
         for addr in list(self._backlog):
             self._flush(addr)
         now = time.monotonic()
-        if now >= self._next_sweep:
-            self._next_sweep = now + min(self.idle_close_s, 30.0)
-            for addr, used in list(self._used.items()):
-                if now - used >= self.idle_close_s and addr not in self._backlog:
-                    self._socks.pop(addr).close(0)
-                    del self._used[addr]
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(self.idle_close_s, 30.0)
+        for addr, took in list(self._took.items()):
+            if now - took >= self.idle_close_s:
+                waiting = self._backlog.pop(addr, None)
+                if waiting:
+                    self._drop(addr, len(waiting))
+                    logger.error("%s took no message for %.0f s: it is taken for gone", addr, now - took)
+                self._dropped.pop(addr, None)
+                self._socks.pop(addr).close(0)
+                del self._took[addr]
+
+    def backlog(self) -> int:
+        return sum(len(q) for q in self._backlog.values())
 
     def peers(self) -> int:
         """Sockets open now."""
         return len(self._socks)
 
-    def backlog(self) -> int:
-        return sum(len(q) for q in self._backlog.values())
+    def _drop(self, addr: str, n: int) -> None:
+        if addr not in self._dropped:
+            logger.error("dropping messages to %s, %d waiting: it takes none", addr, len(self._backlog.get(addr, ())))
+        self._dropped[addr] = self._dropped.get(addr, 0) + n
 
     def _flush(self, addr: str) -> None:
         waiting, sock = self._backlog[addr], self._socks[addr]
@@ -92,6 +104,7 @@ class Outbox:
             while waiting:
                 sock.send(waiting[0], flags=zmq.NOBLOCK)
                 waiting.popleft()
+                self._took[addr] = time.monotonic()
         except zmq.Again:
             return
         del self._backlog[addr]

@@ -96,3 +96,25 @@ def test_sockets_to_peers_unused_for_a_while_are_closed_and_reopened_when_needed
         for s, _ in peers:
             s.close(0)
         ctx.term()
+
+
+def test_a_peer_that_takes_nothing_for_the_idle_time_is_given_up_with_what_waits_for_it(caplog):
+    """A coordinator that died with requests running: what its workers still send it must not be kept."""
+    ctx = zmq.Context()
+    out = Outbox(ctx, hwm=5, idle_close_s=0.3)
+    sock, addr = slow_peer(ctx)
+    try:
+        for i in range(5000):
+            out.send(addr, batch(i))
+        assert out.backlog() > 0
+        sock.close(0)  # it dies (ZMQ drops what its connection held, and queues a few more for a reconnection)
+        with caplog.at_level(logging.ERROR, logger="engine.outbox"):
+            for _ in range(3):
+                time.sleep(0.35)
+                out.flush()
+        assert out.backlog() == 0 and out.peers() == 0
+        assert any("taken for gone" in r.message for r in caplog.records)
+    finally:
+        out.close()
+        sock.close(0)
+        ctx.term()
