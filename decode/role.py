@@ -107,6 +107,19 @@ class DecodeRole:
             return
         self._drop(rid)
 
+    def end_placed_by(self, reply_to: str, reason: str) -> int:
+        """End every request the coordinator at `reply_to` placed here (its lease lapsed: engine/lease.py).
+        It is told why, should it be alive but cut off only."""
+        waiting = len(self.pending_alloc)
+        self.pending_alloc = deque((d, m) for d, m in self.pending_alloc if m.reply_to != reply_to)
+        ended = waiting - len(self.pending_alloc)
+        for rid, meta in list(self.meta.items()):
+            if meta.reply_to == reply_to and not meta.aborted:
+                self._send(reply_to, TokenDelta(rid, [], error=reason))
+                self._abort(rid)
+                ended += 1
+        return ended
+
     def _drop(self, rid: str) -> None:
         meta = self.meta.pop(rid, None)
         if meta is not None and meta.backend is not None:

@@ -7,7 +7,8 @@ Flow of one disaggregated request (each arrow one message, PUSH -> PULL sockets)
 A colocated worker takes Generate instead of Allocate + Prefill. Abort goes to every worker holding the
 request. Workers report themselves with Heartbeat (to the coordinator, or to Redis); when one leaves the
 registry, the coordinator tells the others with PeerLeft, and it sends every worker the registry's list
-now and then (LivePeers).
+now and then (LivePeers). The other way, a coordinator renews its Lease with every worker each second: the
+requests of a coordinator that went silent are ended, as nobody would read their tokens.
 """
 
 from __future__ import annotations
@@ -171,6 +172,16 @@ class LivePeers(msgspec.Struct, tag=True):
     worker_ids: list[str]
 
 
+class Lease(msgspec.Struct, tag=True):
+    """Coordinator -> workers, before its first request to a worker and every second after: the coordinator
+    whose socket is `reply_to` still reads what is sent there. A worker that hears nothing more from it for
+    `ttl_s` ends the requests it placed (it crashed, or is cut off): they would decode for nobody, holding
+    pages and batch slots, until their max_tokens."""
+
+    reply_to: str
+    ttl_s: float
+
+
 class TokenDelta(msgspec.Struct):
     rid: str
     token_ids: list[int]
@@ -191,7 +202,7 @@ class TokenBatch(msgspec.Struct, tag=True):
 
 
 Message = (Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | LivePeers
-           | TokenBatch)
+           | Lease | TokenBatch)
 
 def wire_prompt_logprobs(req) -> list[PromptLogprob] | None:
     """A request's prompt logprobs as the wire carries them, or None when it did not ask for them."""

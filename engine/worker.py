@@ -20,9 +20,10 @@ import zmq
 
 from engine.args import EngineArgs
 from engine.engine import Engine
+from engine.lease import Leases
 from engine.outage import OutageLog
 from engine.outbox import Outbox
-from engine.protocol import Heartbeat, KVLayout, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
+from engine.protocol import Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
 from transfer import available_backends, create_transfer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ class Worker:
         if self.followers is not None:
             self._join_followers()
         self.outbox = Outbox(self.ctx)
+        self.leases = Leases()
+        self._next_lease_check = 0.0
         self.stopping = False
         self.started_at = time.time()
         self._next_snapshot = 0.0
@@ -211,8 +214,11 @@ class Worker:
                 for t in self.transfers.values():
                     for peer in t.release_stale_peers(live):
                         logger.info("let go of transfer peer %s (%s): not in the registry", peer, t.name)
+            elif isinstance(msg, Lease):
+                self.leases.renew(msg)
             elif msg is not None:
                 self.role.handle(msg)
+        self._end_orphans()
         self.role.poll_transfers()
         if self.engine.has_work():
             self.role.on_step(self.engine.step())
@@ -221,6 +227,18 @@ class Worker:
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.args.heartbeat_interval_s / 2
             self.snapshot = self.info()
+
+    def _end_orphans(self) -> None:
+        """End the requests of coordinators whose lease ran out (engine/lease.py)."""
+        now = time.monotonic()
+        if now < self._next_lease_check or not len(self.leases):
+            return
+        self._next_lease_check = now + 0.25
+        for addr, ttl in self.leases.lapsed():
+            reason = (f"the coordinator at {addr} was not heard from for {ttl:g} s (it stopped or is cut off "
+                      f"from this worker); its requests were ended")
+            n = self.role.end_placed_by(addr, reason)
+            logger.warning("%s: %d request(s) ended", reason.split(";")[0], n)
 
     def close(self) -> None:
         self._heartbeat.stop()

@@ -59,6 +59,18 @@ class PrefillRole:
             self.deadline[msg.rid] = at = time.monotonic() + msg.kv_deadline_s
             heapq.heappush(self.deadlines, (at, msg.rid))
 
+    def end_placed_by(self, reply_to: str, reason: str) -> int:
+        """Drop the prompts the coordinator at `reply_to` sent (its lease lapsed: engine/lease.py), queued or
+        half computed; the decode workers waiting for their KV are told, and free the pages. A prompt whose KV
+        is on its way already is left to land: its decode worker ends it."""
+        ended = [msg for rid, msg in self.meta.items() if msg.reply_to == reply_to and rid not in self.engine.held]
+        for msg in ended:
+            del self.meta[msg.rid]
+            self.deadline.pop(msg.rid, None)
+            self.engine.abort(msg.rid)
+            self._fail(msg, reason, log=False)  # the worker says it once for all of them
+        return len(ended)
+
     def _late(self, rid: str) -> None:
         """The decode worker's wait for this request's KV is over: compute and send nothing more of it."""
         msg = self.meta.pop(rid)
@@ -67,8 +79,9 @@ class PrefillRole:
         self._fail(msg, "the prompt was not computed before the decode worker stopped waiting for its KV "
                         "(--transfer-timeout); the prefill workers are overloaded")
 
-    def _fail(self, msg: Prefill, error: str, retryable: bool = False) -> None:
-        logger.warning("prefill of %s failed: %s", msg.rid, error)
+    def _fail(self, msg: Prefill, error: str, retryable: bool = False, log: bool = True) -> None:
+        if log:
+            logger.warning("prefill of %s failed: %s", msg.rid, error)
         self.w.send(msg.decode_ctrl, KVReady(msg.rid, -1, error=error))
         self.w.send(msg.reply_to, TokenBatch(self.w.worker_id, [TokenDelta(msg.rid, [], error=error,
                                                                            retryable=retryable)]))

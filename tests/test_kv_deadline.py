@@ -11,97 +11,16 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
 
-from engine.args import EngineArgs
-from engine.protocol import Allocate, Allocated, Prefill, TokenBatch, decode, encode
-from engine.worker import Worker, WorkerArgs
-
-PROMPT = [(7 * i) % 400 + 5 for i in range(200)]
-PARAMS = {"max_tokens": 4, "temperature": 0}
+from engine.protocol import TokenBatch
+from played import PlayedCluster, assert_nothing_held, errors
 
 
 @pytest.fixture
 def workers(tiny_llama):
-    path, _ = tiny_llama
-
-    made = []
-    ctx = zmq.Context()
-    coord = ctx.socket(zmq.PULL)
-    coord.setsockopt(zmq.LINGER, 0)
-    coord.bind("tcp://127.0.0.1:*")
-    push = {}
-
-    def worker(role, **kw):
-        engine = EngineArgs(model_path=path, page_size=8, max_total_tokens=1024, attention_backend="torch",
-                            chunked_prefill_size=16)
-        # Their loops are run by the test (no heartbeats): the coordinator is the test's socket.
-        return Worker(WorkerArgs(role=role, transfer_backends="nixl", engine=engine,
-                                 coordinator_addr=coord.getsockopt_string(zmq.LAST_ENDPOINT), **kw))
-
-    class Cluster:
-        addr = coord.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        def start(self, role, **kw):
-            made.append(worker(role, **kw))
-            return made[-1]
-
-        def send(self, w, msg):
-            if w.ctrl_addr not in push:
-                push[w.ctrl_addr] = ctx.socket(zmq.PUSH)
-                push[w.ctrl_addr].setsockopt(zmq.LINGER, 0)
-                push[w.ctrl_addr].connect(w.ctrl_addr)
-            push[w.ctrl_addr].send(encode(msg))
-
-        def pump(self, until, *ws, timeout=5.0):
-            """Run the workers' loops, collecting what reaches the coordinator, until `until(got)` holds."""
-            got = []
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                for w in ws:
-                    w.run_once()
-                while True:
-                    try:
-                        got.append(decode(coord.recv(flags=zmq.NOBLOCK)))
-                    except zmq.Again:
-                        break
-                if until(got):
-                    return got
-                time.sleep(0.002)
-            raise AssertionError(f"gave up after {timeout} s with {got}")
-
-        def allocate(self, dec, rid):
-            self.send(dec, Allocate(rid, PROMPT, PARAMS, self.addr, "nixl", 1.0))
-            got = self.pump(lambda g: any(isinstance(m, Allocated) for m in g), dec)
-            return next(m for m in got if isinstance(m, Allocated))
-
-        def prefill(self, pre, dec, alloc, kv_deadline_s, queue_only=False):
-            msg = Prefill(alloc.rid, PROMPT, PARAMS, self.addr, dec.worker_id, dec.ctrl_addr, "nixl",
-                          dec.endpoints["nixl"], alloc.pages, alloc.skip_pages, kv_deadline_s)
-            if queue_only:  # what the worker's loop does with the message, and nothing else (no step)
-                pre.role.handle(msg)
-            else:
-                self.send(pre, msg)
-
-    yield Cluster()
-    for w in made:
-        w.close()
-    for s in push.values():
-        s.close(0)
-    coord.close(0)
-    ctx.term()
-
-
-def errors(got) -> list[str]:
-    return [d.error for m in got if isinstance(m, TokenBatch) for d in m.items if d.error]
-
-
-def assert_nothing_held(*ws):
-    for w in ws:
-        w.engine.check()
-        assert not w.engine.has_work() and not w.engine.awaiting and not w.engine.held
-        s = w.engine.stats()
-        assert s["free_pages"] + s["cached_pages"] == s["total_pages"], s
+    c = PlayedCluster(tiny_llama[0])
+    yield c
+    c.close()
 
 
 @pytest.mark.parametrize("when", ["already past", "while queued", "half computed"])
