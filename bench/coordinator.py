@@ -27,7 +27,7 @@ import time
 import httpx
 import zmq
 
-from engine.protocol import (Abort, Generate, Heartbeat, KVLayout, LivePeers, PeerLeft, TokenBatch, TokenDelta,
+from engine.protocol import (Abort, Generate, Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, TokenBatch, TokenDelta,
                              WorkerInfo, WorkerLoad, decode, encode)
 
 TEXT = ("The history of the railway begins with wagonways in the sixteenth century, where horses pulled carts "
@@ -76,7 +76,7 @@ class StandIn(threading.Thread):
                     self.running[msg.rid] = [msg.reply_to, 0, msg.params.get("max_tokens") or 16]
                 elif isinstance(msg, Abort):
                     self.running.pop(msg.rid, None)
-                elif not isinstance(msg, (LivePeers, PeerLeft)):
+                elif not isinstance(msg, (LivePeers, PeerLeft, Lease)):
                     raise RuntimeError(f"stand-in worker: unexpected {type(msg).__name__}")
             if self.running:
                 wait = next_step - time.monotonic()

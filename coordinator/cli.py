@@ -33,6 +33,9 @@ def _add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request body taken (413 beyond)")
+    p.add_argument("--lease-timeout", type=float, default=15.0,
+                   help="seconds workers go on with this coordinator's requests after they last heard from it "
+                        "(it renews every second); past them, a coordinator taken for dead has its requests ended")
 
 
 def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
@@ -59,7 +62,8 @@ def run_coordinator(ns) -> None:
                                model_path=ns.model_path, served_model_name=ns.served_model_name,
                                redis_url=ns.redis_url, api_keys=tuple(ns.api_key),
                                transfer_backend=ns.transfer_backend, admission_timeout_s=ns.admission_timeout,
-                               context_length=ns.context_length, max_request_bytes=ns.max_request_bytes)
+                               context_length=ns.context_length, max_request_bytes=ns.max_request_bytes,
+                               lease_timeout_s=ns.lease_timeout)
     except ValueError as e:
         raise SystemExit(f"pdserve coordinator: {e}") from None
     run(args)

@@ -5,7 +5,10 @@ One asyncio loop owns everything here. A request goes through
                Allocated) and then a prefill worker (Prefill) -- never prefill work with nowhere to go;
     streaming: TokenBatch messages from the decode (or colocated) worker feed the request's queue.
 A watchdog fails the requests of workers that left the registry; a request still in prefill on a dead
-prefill worker is placed again.
+prefill worker is placed again. It also renews this coordinator's lease with every worker (engine/lease.py),
+so that workers end the requests of a coordinator that died; tokens of a request this coordinator does not
+know (one of a previous process on the same address, a copy a worker kept after it was taken for dead) get
+that worker an Abort.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import zmq.asyncio
 from coordinator.registry import MemoryRegistry, Registry
 from engine.outage import OutageLog
 from engine.outbox import Outbox
-from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, LivePeers, PeerLeft, Prefill, Rejected,
-                             TokenBatch, TokenDelta, WorkerInfo, decode)
+from engine.protocol import (Abort, Allocate, Allocated, Generate, Heartbeat, Lease, LivePeers, PeerLeft, Prefill,
+                             Rejected, TokenBatch, TokenDelta, WorkerInfo, decode)
 from engine.sampling_params import SamplingParams
 from transfer import agree
 
@@ -126,8 +129,10 @@ class _PrefixIndex:
 
 class Dispatcher:
     def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int | None = None,
-                 transfer_backend: str = "auto", admission_timeout_s: float = 30.0, vocab: str = ""):
+                 transfer_backend: str = "auto", admission_timeout_s: float = 30.0, vocab: str = "",
+                 lease_ttl_s: float = 15.0):
         self.registry = registry
+        self.lease_ttl_s = lease_ttl_s
         # The coordinator's tokenizer (Tokenizer.vocab_digest): workers whose token ids mean something else
         # are left out, and said so once each.
         self.vocab = vocab
@@ -159,6 +164,9 @@ class Dispatcher:
         self.workers: dict[str, WorkerInfo] = {}
         # The first LivePeers waits until workers have had time to report (an in-process registry starts empty).
         self._next_live_peers = time.monotonic() + self.live_peers_first_s
+        self._leased: set[str] = set()  # worker addresses this coordinator's lease has been sent to
+        self._next_lease = 0.0
+        self._strays: OrderedDict[str, None] = OrderedDict()  # wire ids an Abort went out for, unknown here
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,6 +183,10 @@ class Dispatcher:
         self.ctx.term()
 
     def _send(self, addr: str, msg) -> None:
+        if addr not in self._leased:
+            # Before the first request: a worker watches a coordinator only once it has had a lease from it.
+            self._leased.add(addr)
+            self.outbox.send(addr, Lease(self.addr, self.lease_ttl_s))
         self.outbox.send(addr, msg)
 
     # --- incoming -------------------------------------------------------------------------------------------
@@ -203,11 +215,14 @@ class Dispatcher:
                 fut.set_result(msg)
         elif isinstance(msg, TokenBatch):
             for delta in msg.items:
-                self._deliver(delta)
+                self._deliver(delta, msg.worker_id)
 
-    def _deliver(self, delta: TokenDelta) -> None:
+    def _deliver(self, delta: TokenDelta, worker_id: str) -> None:
         t = self.by_wire.get(delta.rid)
-        if t is None or t.done:
+        if t is None:
+            self._stray(delta, worker_id)
+            return
+        if t.done:
             return
         if delta.retryable and not t.first_token and t.attempt < self.max_attempts - 1:
             # Its KV never reached the decode worker (which may have died, before the registry knows it): the
@@ -231,6 +246,18 @@ class Dispatcher:
             t.done = True
             self._settle_decode(t)
         t.push(delta)
+
+    def _stray(self, delta: TokenDelta, worker_id: str) -> None:
+        """Tokens of a request this coordinator does not know: ended here (the client left; stale tokens come
+        until the worker reads the Abort), or never placed by this process (a coordinator before it on the same
+        address), or a copy on a worker taken for dead and placed again elsewhere. Abort it there, once."""
+        w = self.workers.get(worker_id)
+        if w is None or delta.finish_reason is not None or delta.error is not None or delta.rid in self._strays:
+            return
+        self._strays[delta.rid] = None
+        if len(self._strays) > 10_000:
+            self._strays.popitem(last=False)
+        self._send(w.ctrl_addr, Abort(delta.rid))
 
     def _settle_prefill(self, t: Tracked) -> None:
         # Idempotent, like _settle_decode: the first token, an abort, the watchdog.
@@ -295,7 +322,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(0.25)
             self.outbox.flush()
-            before = set(self.workers)
+            before = dict(self.workers)
             try:
                 alive = await asyncio.to_thread(self.refresh) if not isinstance(self.registry, MemoryRegistry) \
                     else self.refresh()
@@ -303,14 +330,20 @@ class Dispatcher:
                 self._registry_outage.failed(e)
                 continue
             self._registry_outage.ok()
-            for gone in before - set(alive):
+            for gone in set(before) - set(alive):
                 logger.warning("worker %s left the registry", gone)
+                self._leased.discard(before[gone].ctrl_addr)
                 for w in alive.values():
                     self._send(w.ctrl_addr, PeerLeft(gone))
                 # Up to 100,000 page hashes: kept for departed workers, they would pile up as workers come
                 # and go (a worker that comes back under the same id starts with its cache cold anyway).
                 self._prefix.pop(gone, None)
                 self._unpaired.discard(gone)
+            if time.monotonic() >= self._next_lease:
+                self._next_lease = time.monotonic() + self.lease_interval_s
+                for w in alive.values():
+                    self._leased.add(w.ctrl_addr)
+                    self.outbox.send(w.ctrl_addr, Lease(self.addr, self.lease_ttl_s))
             if time.monotonic() >= self._next_live_peers:
                 # Catches what no PeerLeft was sent for: workers that died while this coordinator was down.
                 self._next_live_peers = time.monotonic() + self.live_peers_interval_s
@@ -350,6 +383,10 @@ class Dispatcher:
     max_attempts = 3  # placements of one request, when the decode worker it is on dies
     live_peers_first_s = 5.0
     live_peers_interval_s = 30.0
+    # A worker ends this coordinator's requests after lease_ttl_s (--lease-timeout) without a renewal: long
+    # enough for a stalled event loop or a slow network to come back, short beside the minutes a long request
+    # would decode for nobody.
+    lease_interval_s = 1.0
 
     async def submit(self, prompt_ids: list[int], params: dict, rid: str | None = None,
                      near: Tracked | None = None) -> Tracked:

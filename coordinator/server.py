@@ -53,6 +53,9 @@ class CoordinatorArgs:
     # Largest request body taken, in bytes (413 beyond it): parsing JSON holds the event loop, every stream's,
     # for about 10 ms a megabyte. The default leaves room for 128 prompts of 128k tokens given as ids.
     max_request_bytes: int = 64 << 20
+    # Workers end this coordinator's requests once they have not heard from it for this long (it renews every
+    # second): a coordinator that died leaves nothing decoding for nobody.
+    lease_timeout_s: float = 15.0
 
     def __post_init__(self):
         for name in ("port", "zmq_port"):
@@ -65,6 +68,9 @@ class CoordinatorArgs:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not self.lease_timeout_s >= 2.0:
+            raise ValueError(f"lease_timeout_s must be >= 2 (the lease is renewed every second), got "
+                             f"{self.lease_timeout_s}")
 
 
 class Coordinator:
@@ -83,7 +89,8 @@ class Coordinator:
         self.api_keys = tuple(args.api_keys) or tuple(Env.api_keys())
         self.registry = make_registry(args.redis_url)
         self.dispatcher = Dispatcher(self.registry, args.zmq_host, args.zmq_port, args.transfer_backend,
-                                     args.admission_timeout_s, vocab=self.tokenizer.vocab_digest())
+                                     args.admission_timeout_s, vocab=self.tokenizer.vocab_digest(),
+                                     lease_ttl_s=args.lease_timeout_s)
         self.metrics = Metrics(lambda: list(self.dispatcher.workers.values()), lambda: self.dispatcher.placed_again)
 
 

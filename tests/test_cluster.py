@@ -136,9 +136,11 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
 def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path_factory, reference, redis_server):
     """Front doors scale out: a second coordinator on the same Redis registry finds the same workers, and
     requests sent through both at once, interleaved in the workers' batches, each come back to the coordinator
-    that placed them with the colocated run's tokens; nothing is left behind in either pool."""
+    that placed them with the colocated run's tokens; nothing is left behind in either pool. When one of them
+    dies mid-stream, the workers end its requests once its lease runs out, and the other serves on."""
     a = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", redis_url=redis_server.url)
-    b = Cluster(str(tmp_path_factory.mktemp("cluster")), redis_url=redis_server.url, backend="tcp")
+    b = Cluster(str(tmp_path_factory.mktemp("cluster")), redis_url=redis_server.url, backend="tcp",
+                coordinator_args=["--lease-timeout", "3"])
     try:
         deadline = time.time() + 60
         while True:
@@ -156,6 +158,23 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         assert outs[:len(PROMPTS)] == reference["ids"] and outs[len(PROMPTS):] == reference["ids"]
         assert_pools_clean(a)
         assert_pools_clean(b)
+
+        # SIGKILL the second coordinator while a long request streams through it (minutes of decoding here).
+        with b.client() as h, h.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            b.kill("coordinator")
+            t_kill = time.time()
+        decode = next(w for w in a.workers() if w["role"] == "decode")
+        assert decode["load"]["running"] == 1, "the orphan decodes on until the lease runs out"
+        while (decode := next(w for w in a.workers() if w["role"] == "decode"))["load"]["running"]:
+            assert time.time() - t_kill < 3 + 5, "the dead coordinator's request ends with its lease"
+            time.sleep(0.2)
+        assert_pools_clean(a)
+        assert generate(a, PROMPTS[0])["output_ids"] == reference["ids"][0]
     finally:
         b.stop()
         a.stop()

@@ -12,14 +12,15 @@ import zmq
 
 from coordinator.dispatcher import Dispatcher
 from coordinator.registry import MemoryRegistry
-from engine.protocol import (Abort, Allocate, Allocated, KVLayout, LivePeers, PeerLeft, Prefill, TokenBatch,
+from engine.protocol import (Abort, Allocate, Allocated, KVLayout, Lease, LivePeers, PeerLeft, Prefill, TokenBatch,
                              TokenDelta, WorkerInfo, decode, encode)
 
 LAYOUT = KVLayout(2, 16, 2, 32, "float32")
 
 
 class FakeWorker:
-    """A worker's control socket: what the dispatcher sent it, in order (LivePeers, sent on a timer, apart)."""
+    """A worker's control socket: what the dispatcher sent it, in order (LivePeers and Lease, sent on timers,
+    apart)."""
 
     def __init__(self, ctx: zmq.Context, worker_id: str, role: str):
         self.sock = ctx.socket(zmq.PULL)
@@ -27,15 +28,21 @@ class FakeWorker:
         self.sock.bind("tcp://127.0.0.1:*")
         self.backlog: list = []  # read by a helper that looked for something else
         self.live_peers: list[LivePeers] = []
+        self.leases: list[Lease] = []
+        self.log: list = []  # every message, in the order it came
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
                                "default", LAYOUT, 4096, 4096, transfer={"tcp": b"tcp://127.0.0.1:1"})
 
     def _recv(self):
         while True:
             msg = decode(self.sock.recv(flags=zmq.NOBLOCK))
-            if not isinstance(msg, LivePeers):
+            self.log.append(msg)
+            if isinstance(msg, LivePeers):
+                self.live_peers.append(msg)
+            elif isinstance(msg, Lease):
+                self.leases.append(msg)
+            else:
                 return msg
-            self.live_peers.append(msg)
 
     async def next(self, timeout: float = 5.0):
         if self.backlog:
@@ -498,5 +505,57 @@ def test_the_prefill_worker_is_told_what_is_left_of_the_decode_workers_wait(two_
             again = await workers[other].next()
             assert isinstance(again, Prefill) and again.rid == t.wire and again.dst_pages == first.dst_pages
             assert again.kv_deadline_s <= first.kv_deadline_s - 0.5
+
+    run(scenario())
+
+
+def test_the_coordinators_lease_reaches_a_worker_before_its_first_request_and_every_second_after(cluster,
+                                                                                                 monkeypatch):
+    """Workers end the requests of a coordinator that stops renewing its lease (engine/lease.py), and watch
+    only coordinators that have leased: so the lease must go first, or a coordinator that died right after
+    placing its first request would leave it decoding for nobody."""
+    registry, workers, reply = cluster
+    monkeypatch.setattr(Dispatcher, "lease_interval_s", 0.2)
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+            await allocate_reply(workers, ["d0", "d1"], reply)
+            t = await placing
+            first = workers[t.decode_id].log
+            assert isinstance(first[0], Lease) and isinstance(first[1], Allocate), first
+            for w in workers.values():
+                w.drain()
+                w.leases.clear()
+            await asyncio.sleep(1.0)
+            for w in workers.values():
+                w.drain()
+                assert 3 <= len(w.leases) <= 6, (w.info.worker_id, len(w.leases))
+                assert all(lease == Lease(d.addr, d.lease_ttl_s) for lease in w.leases)
+
+            registry.remove("d1")  # a departed worker is no longer leased to
+            await asyncio.sleep(0.5)
+            workers["d1"].drain()
+            workers["d1"].leases.clear()
+            await asyncio.sleep(0.5)
+            assert not workers["d1"].drain() and not workers["d1"].leases
+
+    run(scenario())
+
+
+def test_tokens_of_a_request_the_coordinator_does_not_know_get_their_worker_an_abort_once(cluster):
+    """A worker streaming for a request this coordinator never placed (a previous coordinator process on the
+    same address placed it) is told to stop, rather than decode for nobody to its max_tokens."""
+    registry, workers, reply = cluster
+
+    async def scenario():
+        async with started(registry, reply):
+            for i in range(3):
+                reply.send(encode(TokenBatch("d0", [TokenDelta("ghost", [i])])))
+            reply.send(encode(TokenBatch("d1", [TokenDelta("gone", [1], finish_reason="length"),
+                                                TokenDelta("failed", [], error="out of pages")])))
+            await asyncio.sleep(0.5)
+            assert workers["d0"].drain() == [Abort("ghost")]
+            assert workers["d1"].drain() == [], "a request that ended there needs no Abort"
 
     run(scenario())
