@@ -193,6 +193,55 @@ def test_peers_missing_from_the_registry_are_let_go_once_unused_and_can_come_bac
         rx.close()
 
 
+def test_nixl_writes_to_a_receiver_that_died_end_as_failures_and_hold_nothing():
+    """A receiver gone before the sender's UCX connected to it leaves the write in flight for good (UCX retries
+    its connection and reports nothing); killed mid-write, NIXL raises from the status check instead of saying
+    ERR. Either way the prefill worker must get a failure to report (the request is placed again) and let go
+    of the source pages; a worker that comes back under the same id must be reachable at once."""
+    from transfer.nixl import _nixl_api
+
+    a, b = pools()
+    tx = create_transfer("nixl", a, "p", "127.0.0.1")
+    dead = create_transfer("nixl", b, "d", "127.0.0.1")
+    endpoint = dead.endpoint()
+    dead.close()
+    try:
+        tx.send("r1", "d", endpoint, [1, 2], [3, 4], encode(KVReady("r1", 1)))
+        time.sleep(0.5)
+        assert tx.poll_sent() == [] and tx.pending, "still in flight"
+        tx.drop_peer("d")  # the coordinator's PeerLeft
+        sent = tx.poll_sent()
+        assert [(r.rid, r.ok) for r in sent] == [("r1", False)] and "left" in sent[0].error
+        assert not tx.pending and tx.peers_held() == 0
+
+        # Restarted under the same id while a write to the old process hangs: the new one gets its pages.
+        tx.send("r2", "d", endpoint, [1], [3], encode(KVReady("r2", 2)))
+        fresh = KVPool(64, 16, 3, 2, 32, torch.float32, "cpu")
+        new = create_transfer("nixl", fresh, "d", "127.0.0.1")
+        new.expect("r3", [4])
+        tx.send("r3", "d", new.endpoint(), [2], [4], encode(KVReady("r3", 3)))
+        got, sent = wait_received(new, tx)
+        assert [r for r, _ in got] == ["r3"]
+        assert sorted((r.rid, r.ok) for r in sent) == [("r2", False), ("r3", True)]
+        assert torch.equal(fresh.data[:, 4], a.data[:, 2])
+
+        # A status check that raises is that transfer's failure, not the worker's end.
+        bindings = __import__(_nixl_api()[0].__module__.replace("_api", "_bindings"), fromlist=["x"])
+
+        def disconnected(handle):
+            raise bindings.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+        new.expect("r4", [5])
+        tx.send("r4", "d", new.endpoint(), [3], [5], encode(KVReady("r4", 4)))
+        tx.agent.check_xfer_state = disconnected
+        sent = tx.poll_sent()
+        assert [(r.rid, r.ok) for r in sent] == [("r4", False)] and "REMOTE_DISCONNECT" in sent[0].error
+        assert not tx.pending
+        new.close()
+    finally:
+        tx.close()
+
+
 class _Copy:
     """A stand-in for a copy's CUDA event: synchronize() returns once the test finishes the copy."""
 

@@ -88,10 +88,8 @@ class NixlTransfer(TransferEngine):
                                                 p.num_pages, self.block_bytes, self.mem, self.device_id, p.layout))
 
     def _remote(self, peer_id: str, endpoint: bytes):
-        if peer_id in self.remotes and self.remotes[peer_id][3] != endpoint:  # restarted under the same id
-            if self._busy(peer_id):
-                raise ValueError(f"peer {peer_id} restarted while transfers to it were in flight")
-            self.drop_peer(peer_id)
+        if peer_id in self.remotes and self.remotes[peer_id][3] != endpoint:
+            self.drop_peer(peer_id)  # restarted under the same id: what still goes to the old process fails
         if peer_id not in self.remotes:
             ep = msgspec.msgpack.decode(endpoint, type=_Endpoint)
             if ep.block_bytes != self.block_bytes or ep.num_layers != self.pool.num_layers or \
@@ -130,19 +128,27 @@ class NixlTransfer(TransferEngine):
 
     def poll_sent(self):
         for rid, (handle, t0, nbytes, _) in list(self.pending.items()):
-            state = self.agent.check_xfer_state(handle)
+            error = "nixl: transfer failed"
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as e:  # a receiver killed mid-write: NIXL raises (REMOTE_DISCONNECT), not ERR
+                state, error = "ERR", f"nixl: {e}"
             if state == "PROC":
                 continue
-            del self.pending[rid]
-            self.agent.release_xfer_handle(handle)
-            ok = state == "DONE"
-            self.done.append(self._record(SendResult(rid, ok, "" if ok else "nixl: transfer failed", nbytes,
-                                                     now() - t0)))
+            self._end(rid, state == "DONE", error, nbytes, t0)
         for peer in [p for p in self.leaving if not self._busy(p)]:
             self.leaving.discard(peer)
             self._release(peer)
         out, self.done = self.done, []
         return out
+
+    def _end(self, rid: str, ok: bool, error: str, nbytes: int, t0: float) -> None:
+        handle = self.pending.pop(rid)[0]
+        try:
+            self.agent.release_xfer_handle(handle)  # of one still in flight: cancels it
+        except Exception as e:
+            logger.warning("nixl: releasing the transfer of %s: %s", rid, e)
+        self.done.append(self._record(SendResult(rid, ok, "" if ok else error, nbytes, now() - t0)))
 
     def expect(self, rid, dst_pages):
         self.expected.add(rid)
@@ -178,6 +184,11 @@ class NixlTransfer(TransferEngine):
     def drop_peer(self, peer_id, departed=True):
         if peer_id in self.remotes and departed:
             self._mark_departed(peer_id, self.remotes[peer_id][3])
+            # Writes to a receiver that died may never end: UCX neither finishes nor fails one whose connection
+            # went quiet, and each would hold its request's source pages for good. They are cancelled.
+            for rid, (_, t0, nbytes, peer) in list(self.pending.items()):
+                if peer == peer_id:
+                    self._end(rid, False, f"nixl: peer {peer_id} left during the transfer", nbytes, t0)
         # A transfer in flight still uses the peer's descriptors: release them once it has ended (poll_sent).
         if self._busy(peer_id):
             self.leaving.add(peer_id)
