@@ -100,7 +100,8 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         await co.dispatcher.start()
-        logger.info("coordinator: http://%s:%d, workers report to %s", args.host, args.port, co.dispatcher.addr)
+        logger.info("coordinator: http://%s:%d, workers report to %s (event loop: %s)", args.host, args.port,
+                    co.dispatcher.addr, type(asyncio.get_running_loop()).__module__.split(".")[0])
         yield
         await co.dispatcher.stop()
 

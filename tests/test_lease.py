@@ -34,7 +34,7 @@ def workers(tiny_llama):
 def test_a_decoding_request_lives_while_its_coordinator_renews_and_ends_soon_after_it_stops(workers):
     dec = workers.start("decode")
     pre = workers.start("prefill")
-    renew = lambda: [workers.send(w, Lease(workers.addr, TTL)) for w in (dec, pre)]  # noqa: E731
+    renew = lambda: [workers.send(w, Lease(workers.addr, TTL)) for w in (dec, pre)]
     renew()
     alloc = workers.allocate(dec, "r1", LONG, SHORT_PROMPT)
     workers.prefill(pre, dec, alloc, alloc.kv_timeout_s, params=LONG, prompt=SHORT_PROMPT)
@@ -93,7 +93,7 @@ def test_a_coordinator_back_on_its_address_is_watched_again(workers):
     got = workers.pump(lambda g: errors(g), col)
     assert len(errors(got)) == 1
 
-    renew = lambda: workers.send(col, Lease(workers.addr, TTL))  # noqa: E731
+    renew = lambda: workers.send(col, Lease(workers.addr, TTL))
     renew()
     workers.send(col, Generate("r2", SHORT_PROMPT, LONG, workers.addr))
     got = workers.pump(finished, col, every=renew, timeout=30)
