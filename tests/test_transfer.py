@@ -242,6 +242,36 @@ def test_nixl_writes_to_a_receiver_that_died_end_as_failures_and_hold_nothing():
         tx.close()
 
 
+def test_a_nixl_notification_poll_that_raises_is_tried_again_not_fatal():
+    """The receiver's side of the same: NIXL's notification poll raising (a sender killed mid-write) must not
+    take the decode worker down, and notifications still come with the next poll."""
+    from transfer.nixl import _nixl_api
+
+    bindings = __import__(_nixl_api()[0].__module__.replace("_api", "_bindings"), fromlist=["x"])
+    a, b = pools()
+    tx = create_transfer("nixl", a, "p", "127.0.0.1")
+    rx = create_transfer("nixl", b, "d", "127.0.0.1")
+    real, calls = rx.agent.get_new_notifs, []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise bindings.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        return real()
+
+    rx.agent.get_new_notifs = flaky
+    try:
+        rx.expect("r1", [3])
+        tx.send("r1", "d", rx.endpoint(), [1], [3], encode(KVReady("r1", 1)))
+        assert rx.poll_received() == []
+        got, sent = wait_received(rx, tx)
+        assert [r for r, _ in got] == ["r1"] and sent[0].ok
+        assert torch.equal(b.data[:, 3], a.data[:, 1])
+    finally:
+        tx.close()
+        rx.close()
+
+
 class _Copy:
     """A stand-in for a copy's CUDA event: synchronize() returns once the test finishes the copy."""
 

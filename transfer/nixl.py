@@ -14,6 +14,7 @@ import uuid
 import msgspec
 import numpy as np
 
+from engine.outage import OutageLog
 from transfer.base import SendResult, TransferEngine, now
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class NixlTransfer(TransferEngine):
         self.leaving: set[str] = set()  # peers dropped while transfers to them were in flight
         self.done: list[SendResult] = []
         self.expected: set[str] = set()
+        self._notif_outage = OutageLog(logger, "nixl: reading notifications")
 
     @staticmethod
     def _blocks(base: int, layers: int, pages: int, block: int, dev: int) -> np.ndarray:
@@ -158,7 +160,13 @@ class NixlTransfer(TransferEngine):
 
     def poll_received(self):
         out = []
-        for _agent, msgs in self.agent.get_new_notifs().items():
+        try:
+            notifs = self.agent.get_new_notifs()
+        except Exception as e:  # as the sender's status check can (a peer killed mid-write): try again next poll
+            self._notif_outage.failed(e)
+            return []
+        self._notif_outage.ok()
+        for _agent, msgs in notifs.items():
             for m in msgs:
                 out.append(m)
         from engine.protocol import decode
