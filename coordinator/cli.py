@@ -36,6 +36,9 @@ def _add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-timeout", type=float, default=15.0,
                    help="seconds workers go on with this coordinator's requests after they last heard from it "
                         "(it renews every second); past them, a coordinator taken for dead has its requests ended")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="seconds the requests in flight may finish after SIGTERM; those still running then end "
+                        "with an error (503) and are freed on their workers")
 
 
 def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
@@ -63,7 +66,8 @@ def run_coordinator(ns) -> None:
                                redis_url=ns.redis_url, api_keys=tuple(ns.api_key),
                                transfer_backend=ns.transfer_backend, admission_timeout_s=ns.admission_timeout,
                                context_length=ns.context_length, max_request_bytes=ns.max_request_bytes,
-                               lease_timeout_s=ns.lease_timeout)
+                               lease_timeout_s=ns.lease_timeout,
+                               graceful_shutdown_timeout_s=ns.graceful_shutdown_timeout)
     except ValueError as e:
         raise SystemExit(f"pdserve coordinator: {e}") from None
     run(args)
@@ -165,7 +169,9 @@ def run_up(ns, engine_argv: list[str]) -> int:
     me = [sys.executable, "-m", "coordinator.cli"]
     common = ["--model-path", ns.model_path] if ns.model_path else []
     coord = me + ["coordinator", "--host", ns.host, "--port", str(ns.port), "--zmq-host", ns.host,
-                  "--zmq-port", str(zmq_port), "--transfer-backend", ns.transfer_backend] + common
+                  "--zmq-port", str(zmq_port), "--transfer-backend", ns.transfer_backend,
+                  # the workers stop with it: nobody is left to finish a request
+                  "--graceful-shutdown-timeout", "0"] + common
     if ns.redis_url:
         coord += ["--redis-url", ns.redis_url]
     for key in ns.api_key:

@@ -8,7 +8,8 @@ A watchdog fails the requests of workers that left the registry; a request still
 prefill worker is placed again. It also renews this coordinator's lease with every worker (engine/lease.py),
 so that workers end the requests of a coordinator that died; tokens of a request this coordinator does not
 know (one of a previous process on the same address, a copy a worker kept after it was taken for dead) get
-that worker an Abort.
+that worker an Abort. A coordinator that stops in order ends what it still has (`end_all`) and gives its
+leases back, so that no worker waits out a lease for it.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class Dispatcher:
         self._leased: set[str] = set()  # worker addresses this coordinator's lease has been sent to
         self._next_lease = 0.0
         self._strays: OrderedDict[str, None] = OrderedDict()  # wire ids an Abort went out for, unknown here
+        self.stopping: str | None = None  # why new requests are refused (set by end_all)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -177,7 +179,11 @@ class Dispatcher:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        self.outbox.close()
+        # A lease of no time is this coordinator saying goodbye: each worker ends whatever it still has from
+        # here at once, instead of going on with it for --lease-timeout and then warning of a lost coordinator.
+        for addr in self._leased:
+            self.outbox.send(addr, Lease(self.addr, 0.0))
+        self.outbox.close(linger_s=1.0)
         self._sync_ctx.term()
         self.pull.close(0)
         self.ctx.term()
@@ -392,6 +398,8 @@ class Dispatcher:
                      near: Tracked | None = None) -> Tracked:
         """Place a request on workers; raises PlacementError (503 when no worker takes it in time). `near`: a
         placed request with the same prompt (another of n samples), whose workers this one prefers."""
+        if self.stopping is not None:
+            raise PlacementError(503, self.stopping)
         t = Tracked(rid or uuid.uuid4().hex, list(prompt_ids), dict(params), client_prompt_len=len(prompt_ids))
         if near is not None:
             t.near_prefill, t.near_decode = near.prefill_id, near.decode_id
@@ -438,7 +446,7 @@ class Dispatcher:
         rejected: set[str] = set()
         while True:
             if t.done:  # aborted while placed again (abort() let go of whatever it had reserved)
-                raise PlacementError(503, "the request ended while it was being placed")
+                raise PlacementError(503, self.stopping or "the request ended while it was being placed")
             workers = list(self.workers.values())
             colocated = [w for w in workers if w.role == "colocated"]
             decodes = [w for w in workers if w.role == "decode" and w.worker_id not in rejected]
@@ -515,11 +523,13 @@ class Dispatcher:
                 self._send(dec.ctrl_addr, Abort(t.wire))
                 self._unreserve(t)
                 if t.done:  # aborted meanwhile: place it nowhere else
-                    raise PlacementError(503, "the request was aborted while it was being placed")
+                    raise PlacementError(503, self.stopping or "the request was aborted while it was being placed")
                 rejected.add(dec.worker_id)
                 continue
             if isinstance(reply, Rejected):
                 self._unreserve(t)
+                if t.done:  # abort() answered for the decode worker
+                    raise PlacementError(503, self.stopping or "the request was aborted while it was being placed")
                 if not reply.retryable:
                     raise PlacementError(400, reply.reason)
                 rejected.add(dec.worker_id)
@@ -573,6 +583,16 @@ class Dispatcher:
         t.prompt_ready.set()
         self._settle_prefill(t)
         self._settle_decode(t)
+
+    def end_all(self, reason: str) -> int:
+        """The coordinator is going away: refuse new requests, and end every request still here with `reason`
+        as the error its client gets, freeing it on its workers. Returns how many were ended."""
+        self.stopping = reason
+        ended = list(self.requests.values())
+        for t in ended:
+            self.abort(t.rid)
+            t.push(TokenDelta(t.wire, [], error=reason))
+        return len(ended)
 
     def finish(self, rid: str) -> None:
         t = self.requests.pop(rid, None)

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,6 +57,9 @@ class CoordinatorArgs:
     # Workers end this coordinator's requests once they have not heard from it for this long (it renews every
     # second): a coordinator that died leaves nothing decoding for nobody.
     lease_timeout_s: float = 15.0
+    # On SIGTERM the coordinator stops taking connections and lets the requests it has finish for this long;
+    # those still running then end with an error their clients see (503), and their workers free them.
+    graceful_shutdown_timeout_s: float = 10.0
 
     def __post_init__(self):
         for name in ("port", "zmq_port"):
@@ -68,6 +72,8 @@ class CoordinatorArgs:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not self.graceful_shutdown_timeout_s >= 0:
+            raise ValueError(f"graceful_shutdown_timeout_s must be >= 0, got {self.graceful_shutdown_timeout_s}")
         if not self.lease_timeout_s >= 2.0:
             raise ValueError(f"lease_timeout_s must be >= 2 (the lease is renewed every second), got "
                              f"{self.lease_timeout_s}")
@@ -322,7 +328,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             try:
                 pieces = await until_disconnect(request, asyncio.create_task(collect_all(gens)))
             except WorkerFailed as e:
-                raise APIError(503, f"the request failed on a worker: {e}", headers={"Retry-After": "1"}) from None
+                raise APIError(503, f"the request failed: {e}", headers={"Retry-After": "1"}) from None
             except asyncio.CancelledError:
                 return Response(status_code=499)
             return JSONResponse(render_full(rid, created, gens, pieces), headers=headers)
@@ -346,7 +352,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                     yield sse({"id": rid, "object": chunk_object, "created": created, "model": co.model_name,
                                "choices": [], "usage": usage(gens, p.n, not p.score_only)})
             except WorkerFailed as e:
-                yield sse(APIError(503, f"the request failed on a worker: {e}").body())
+                yield sse(APIError(503, f"the request failed: {e}").body())
             yield "data: [DONE]\n\n"
 
         chunk_object = "chat.completion.chunk" if p.messages is not None else "text_completion"
@@ -485,7 +491,7 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
             try:
                 pieces, = await until_disconnect(request, asyncio.create_task(collect_all([gen])))
             except WorkerFailed as e:
-                raise APIError(503, f"the request failed on a worker: {e}") from None
+                raise APIError(503, f"the request failed: {e}") from None
             except asyncio.CancelledError:
                 return Response(status_code=499)
             return JSONResponse({"text": gen.text, "output_ids": gen.output_ids, "meta_info": meta(pieces[-1])})
@@ -540,12 +546,40 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
     return app
 
 
-def run_coordinator(args: CoordinatorArgs) -> None:
-    import uvicorn
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) stops taking connections and waits for the open ones;
+    past `grace_s` the requests still running end with an error their clients read, rather than being cut off
+    mid-stream (uvicorn would cancel them) or waited for without end."""
 
+    def __init__(self, config: uvicorn.Config, dispatcher: Dispatcher, grace_s: float):
+        super().__init__(config)
+        self.dispatcher = dispatcher
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.create_task(self._end_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_after_grace(self) -> None:
+        if self.dispatcher.requests and self.grace_s > 0:
+            logger.info("shutting down: %d request(s) may finish within %g s", len(self.dispatcher.requests),
+                        self.grace_s)
+        await asyncio.sleep(self.grace_s)
+        n = self.dispatcher.end_all("the coordinator is shutting down")
+        if n:
+            logger.warning("shutting down: %d request(s) ended unfinished", n)
+
+
+def run_coordinator(args: CoordinatorArgs) -> None:
     try:
         app = create_app(args)
     except (ValueError, FileNotFoundError) as e:  # a model that cannot be served: say which, no traceback
         raise SystemExit(f"pdserve coordinator: {e}") from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+    # uvicorn's own limit is a backstop: ended requests leave within moments of the grace.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout_s + 5)
+    _DrainingServer(config, app.state.coordinator.dispatcher, args.graceful_shutdown_timeout_s).run()
 

@@ -9,6 +9,9 @@ Only coordinators that have sent a Lease are watched: a request's Lease always g
 socket, so one placed by a coordinator that never leases (a test playing the coordinator, an older one)
 is left alone rather than ended at once. The check runs after the worker has drained its control socket,
 so a worker that was itself busy (a long step) reads the renewals queued meanwhile before it judges.
+
+A coordinator that stops in order sends a Lease of no time: its requests end at once, and nobody waits out its
+lease or warns that it was lost.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ class Leases:
     def renew(self, lease: Lease) -> None:
         self._until[lease.reply_to] = self.clock() + lease.ttl_s
         self._ttl[lease.reply_to] = lease.ttl_s
+
+    def release(self, reply_to: str) -> None:
+        """The coordinator stopped in order (its Lease of no time): no longer watched, until it leases again."""
+        self._until.pop(reply_to, None)
+        self._ttl.pop(reply_to, None)
 
     def lapsed(self) -> list[tuple[str, float]]:
         """(reply_to, ttl_s) of each coordinator whose lease ran out since the last call; each is forgotten,

@@ -112,8 +112,12 @@ class Outbox:
         if dropped:
             logger.warning("%s takes messages again; %d were dropped", addr, dropped)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close every socket; what they hold still goes out for up to `linger_s` (as the context is
+        terminated), what waits in a backlog only as far as the peers take it now."""
+        for addr in list(self._backlog):
+            self._flush(addr)
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(int(linger_s * 1000))
         self._socks.clear()
         self._backlog.clear()

@@ -176,7 +176,8 @@ class Lease(msgspec.Struct, tag=True):
     """Coordinator -> workers, before its first request to a worker and every second after: the coordinator
     whose socket is `reply_to` still reads what is sent there. A worker that hears nothing more from it for
     `ttl_s` ends the requests it placed (it crashed, or is cut off): they would decode for nobody, holding
-    pages and batch slots, until their max_tokens."""
+    pages and batch slots, until their max_tokens. A `ttl_s` of 0 gives the lease back: the coordinator is
+    stopping, and its requests end now."""
 
     reply_to: str
     ttl_s: float

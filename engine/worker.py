@@ -214,8 +214,10 @@ class Worker:
                 for t in self.transfers.values():
                     for peer in t.release_stale_peers(live):
                         logger.info("let go of transfer peer %s (%s): not in the registry", peer, t.name)
-            elif isinstance(msg, Lease):
+            elif isinstance(msg, Lease) and msg.ttl_s > 0:
                 self.leases.renew(msg)
+            elif isinstance(msg, Lease):
+                self._released(msg.reply_to)
             elif msg is not None:
                 self.role.handle(msg)
         self._end_orphans()
@@ -239,6 +241,13 @@ class Worker:
                       f"from this worker); its requests were ended")
             n = self.role.end_placed_by(addr, reason)
             logger.warning("%s: %d request(s) ended", reason.split(";")[0], n)
+
+    def _released(self, addr: str) -> None:
+        """A coordinator that stops in order gives its lease back: end what it placed here now."""
+        self.leases.release(addr)
+        n = self.role.end_placed_by(addr, f"the coordinator at {addr} shut down; its requests were ended")
+        if n:
+            logger.info("the coordinator at %s shut down: %d request(s) ended", addr, n)
 
     def close(self) -> None:
         self._heartbeat.stop()

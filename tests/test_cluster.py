@@ -137,20 +137,24 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
     """Front doors scale out: a second coordinator on the same Redis registry finds the same workers, and
     requests sent through both at once, interleaved in the workers' batches, each come back to the coordinator
     that placed them with the colocated run's tokens; nothing is left behind in either pool. When one of them
-    dies mid-stream, the workers end its requests once its lease runs out, and the other serves on."""
+    dies mid-stream, the workers end its requests once its lease runs out, and the other serves on; one stopped
+    in order ends its requests itself, and its clients read why."""
     a = start(tmp_path_factory, prefill=1, decode=1, backend="tcp", redis_url=redis_server.url)
     b = Cluster(str(tmp_path_factory.mktemp("cluster")), redis_url=redis_server.url, backend="tcp",
                 coordinator_args=["--lease-timeout", "3"])
+    g = Cluster(str(tmp_path_factory.mktemp("cluster")), redis_url=redis_server.url, backend="tcp",
+                coordinator_args=["--graceful-shutdown-timeout", "1"])
     try:
         deadline = time.time() + 60
-        while True:
-            try:
-                if len(b.workers()) == 2:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.time() < deadline, "the second coordinator never saw the workers"
-            time.sleep(0.3)
+        for c in (b, g):
+            while True:
+                try:
+                    if len(c.workers()) == 2:
+                        break
+                except (httpx.HTTPError, ValueError):
+                    pass
+                assert time.time() < deadline, "another coordinator never saw the workers"
+                time.sleep(0.3)
         doors = [a, b] * len(PROMPTS)
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: generate(doors[i], PROMPTS[i % len(PROMPTS)])["output_ids"],
@@ -159,18 +163,39 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         assert_pools_clean(a)
         assert_pools_clean(b)
 
-        # SIGKILL the second coordinator while a long request streams through it (minutes of decoding here).
+        def running() -> int:
+            return next(w for w in a.workers() if w["role"] == "decode")["load"]["running"]
+
+        # SIGTERM a coordinator while a long request streams through it (minutes of decoding here): past its
+        # grace its client reads an error rather than a cut connection, and the workers end the request at
+        # once, not when the coordinator's 15 s lease would have run out.
+        with g.client() as h, h.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2000, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            while not running():  # until the heartbeats have told the registry
+                time.sleep(0.1)
+            g.procs["coordinator"].terminate()
+            t_term = time.time()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.time() - t_term < 1 + 3
+        assert "the coordinator is shutting down" in rest[-2] and rest[-1] == "data: [DONE]", rest[-2:]
+        g.procs["coordinator"].wait(timeout=10)
+        while running():
+            assert time.time() - t_term < 1 + 3, "the stopped coordinator's request ends with its grace"
+            time.sleep(0.2)
+        assert_pools_clean(a)
+
+        # SIGKILL the second coordinator while a long request streams through it.
         with b.client() as h, h.stream("POST", "/v1/completions", json={
                 "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "stream": True,
                 "ignore_eos": True}) as r:
             lines = r.iter_lines()
             while not next(lines).startswith("data: "):
                 pass
-
-            def running() -> int:
-                return next(w for w in a.workers() if w["role"] == "decode")["load"]["running"]
-
-            while not running():  # until the heartbeats have told the registry
+            while not running():
                 time.sleep(0.1)
             b.kill("coordinator")
             t_kill = time.time()
@@ -180,6 +205,7 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         assert_pools_clean(a)
         assert generate(a, PROMPTS[0])["output_ids"] == reference["ids"][0]
     finally:
+        g.stop()
         b.stop()
         a.stop()
 

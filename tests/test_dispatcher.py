@@ -10,7 +10,7 @@ import logging
 import pytest
 import zmq
 
-from coordinator.dispatcher import Dispatcher
+from coordinator.dispatcher import Dispatcher, PlacementError
 from coordinator.registry import MemoryRegistry
 from engine.protocol import (Abort, Allocate, Allocated, KVLayout, Lease, LivePeers, PeerLeft, Prefill, TokenBatch,
                              TokenDelta, WorkerInfo, decode, encode)
@@ -557,5 +557,47 @@ def test_tokens_of_a_request_the_coordinator_does_not_know_get_their_worker_an_a
             await asyncio.sleep(0.5)
             assert workers["d0"].drain() == [Abort("ghost")]
             assert workers["d1"].drain() == [], "a request that ended there needs no Abort"
+
+    run(scenario())
+
+
+def test_a_coordinator_that_stops_ends_its_requests_refuses_new_ones_and_gives_its_leases_back(cluster):
+    """Past its grace on SIGTERM (coordinator/server.py), the coordinator ends what is still running with an
+    error its clients read, frees it on its workers, and tells every worker it leased to that it is gone, so
+    none of them goes on with its requests until the lease runs out."""
+    registry, workers, reply = cluster
+    reason = "the coordinator is shutting down"
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            placing = asyncio.create_task(d.submit([1, 2, 3], {}))
+            _, dec = await allocate_reply(workers, ["d0", "d1"], reply)
+            t = await placing
+            assert isinstance(await workers["p0"].next(), Prefill)
+            waiting = asyncio.create_task(d.submit([4, 5, 6], {}))  # its decode worker never answers
+            await asyncio.sleep(0.2)
+
+            assert d.end_all(reason) == 2
+            delta = await asyncio.wait_for(t.queue.get(), 5)
+            assert delta.error == reason and delta.token_ids == []
+            with pytest.raises(PlacementError) as e:
+                await waiting
+            assert (e.value.status, str(e.value)) == (503, reason)
+            with pytest.raises(PlacementError) as e:
+                await d.submit([7], {})
+            assert (e.value.status, str(e.value)) == (503, reason)
+            assert await workers["p0"].next() == Abort(t.rid)
+            seen = []
+            while Abort(t.rid) not in seen:  # (after the other request's Allocate, if it went there)
+                seen.append(await workers[dec].next())
+            assert not d.requests and not d.by_wire and d._decode_inflight[dec] == 0
+            addr = d.addr
+        for w in workers.values():
+            for _ in range(100):
+                w.drain()
+                if w.leases and w.leases[-1].ttl_s == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert w.leases[-1] == Lease(addr, 0.0), w.info.worker_id
 
     run(scenario())

@@ -99,3 +99,24 @@ def test_a_coordinator_back_on_its_address_is_watched_again(workers):
     got = workers.pump(finished, col, every=renew, timeout=30)
     assert not errors(got) and tokens(got) == LONG["max_tokens"]
     assert_nothing_held(col)
+
+
+def test_a_coordinator_that_gives_its_lease_back_has_its_requests_ended_at_once(workers):
+    """A coordinator stopping in order sends a Lease of no time: a long lease is not waited out, and the
+    address is no longer watched (no warning of a lost coordinator later)."""
+    dec = workers.start("decode")
+    pre = workers.start("prefill")
+    for w in (dec, pre):
+        workers.send(w, Lease(workers.addr, 60.0))
+    alloc = workers.allocate(dec, "r1", LONG, SHORT_PROMPT)
+    workers.prefill(pre, dec, alloc, alloc.kv_timeout_s, params=LONG, prompt=SHORT_PROMPT)
+    workers.pump(lambda g: tokens(g) > 0, pre, dec)
+
+    t0 = time.monotonic()
+    for w in (dec, pre):
+        workers.send(w, Lease(workers.addr, 0.0))
+    got = workers.pump(lambda g: errors(g), pre, dec)
+    assert time.monotonic() - t0 < 1.0
+    assert errors(got) == [f"the coordinator at {workers.addr} shut down; its requests were ended"]
+    assert not len(dec.leases) and not len(pre.leases)
+    assert_nothing_held(pre, dec)
