@@ -53,6 +53,7 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far, so a client can
     # tell how many tokens a chunk holds (tokens that queued up while the stream waited leave as one chunk).
     continuous_usage: bool = False
+    prompt_param: str = "prompt"  # the body's name of the prompt, for errors about it
 
     @property
     def n(self) -> int:
@@ -195,7 +196,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     _count_choices(1, params)
     stream, usage, continuous = _stream_opts(body)
     return ParsedRequest(None, clean, params, given, stream, usage, (top or 0) if want else None,
-                         body.get("model"), continuous_usage=continuous)
+                         body.get("model"), continuous_usage=continuous, prompt_param="messages")
 
 
 # SGLang /generate: sampling_params use SGLang's names.
@@ -221,4 +222,5 @@ def parse_generate(body: dict) -> ParsedRequest:
     _need(params.get("n", 1) == 1, "sampling_params", "n must be 1 here; /v1/completions serves n samples")
     stream = body.get("stream", False)
     _need(isinstance(stream, bool), "stream", "stream must be a boolean")
-    return ParsedRequest([text if ids is None else ids], None, params, True, stream, False, None, None)
+    return ParsedRequest([text if ids is None else ids], None, params, True, stream, False, None, None,
+                         prompt_param="text" if ids is None else "input_ids")

@@ -179,22 +179,28 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
                                 f"tokenizer. Please reduce the prompt.", param, code="context_length_exceeded")
         return text
 
+    def tokens(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return co.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except ValueError as e:  # text that is not Unicode
+            raise APIError(400, f"{param}: {e}", param) from None
+
     def encode(p: ParsedRequest, prompt) -> list[int]:
         if p.messages is not None:
             try:
                 text = co.tokenizer.apply_chat_template(p.messages)
             except Exception as e:  # a template that raises on these messages
                 raise APIError(400, f"chat template: {e}", "messages") from None
-            ids = co.tokenizer.encode(fits(text, "messages"), add_special_tokens=False)
+            ids = tokens(fits(text, "messages"), "messages", add_special_tokens=False)
         elif isinstance(prompt, list):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < co.tokenizer.vocab_size]
             if bad:
-                raise APIError(400, f"token ids out of the vocabulary: {bad[:3]}", "prompt")
+                raise APIError(400, f"token ids out of the vocabulary: {bad[:3]}", p.prompt_param)
         else:
-            ids = co.tokenizer.encode(fits(prompt, "prompt"))
+            ids = tokens(fits(prompt, p.prompt_param), p.prompt_param)
         if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
+            raise APIError(400, "the prompt is empty", p.prompt_param)
         return ids
 
     def choices(p: ParsedRequest) -> list[tuple[list[int], dict, str | None]]:

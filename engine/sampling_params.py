@@ -103,6 +103,8 @@ class SamplingParams:
         need(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings")
         need(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
              f"takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        # JSON's escapes can spell a lone surrogate: no text a model writes holds one, and none can be sent on.
+        need(all(s.isascii() or _is_unicode(s) for s in self.stop), "stop", "must be valid Unicode text")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of token ids")
         need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
@@ -149,6 +151,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _token_key(k):

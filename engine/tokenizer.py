@@ -89,6 +89,14 @@ class Tokenizer:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; ValueError for text that is not Unicode (JSON's escapes can carry a lone
+        surrogate, which no tokenizer takes)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at "
+                                 f"character {e.start}") from None
         ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id] + ids

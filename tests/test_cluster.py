@@ -530,6 +530,13 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hello world " * 100000}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 400000}]}, 400,
      "messages"),
+    # JSON's escapes can spell a lone surrogate, which is no text a tokenizer takes (or msgspec sends on).
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "caf\udce9"}).encode(), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+     400, "messages"),
+    ("/generate", json.dumps({"text": "\udfff hi", "sampling_params": {}}).encode(), 400, "text"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stop": ["ok", "\ud800"]}).encode(), 400, "stop"),
+    ("/generate", {"input_ids": [70000], "sampling_params": {}}, 400, "input_ids"),
     ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
