@@ -55,6 +55,9 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
                    help="seconds a decode worker holds pages for a prompt's KV; prompts the prefill workers have "
                         "not computed by then fail")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="seconds the worker finishes its requests after SIGTERM, taking no new ones; those still "
+                        "running then are placed again elsewhere (a second SIGTERM stops it at once)")
 
 
 def run_coordinator(ns) -> None:
@@ -84,7 +87,8 @@ def run_worker(ns, role: str) -> None:
         args = WorkerArgs(role=role, host=ns.host, port=ns.port, redis_url=ns.redis_url,
                           coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
                           transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
-                          served_model_name=ns.served_model_name, engine=EngineArgs.from_cli_args(ns))
+                          served_model_name=ns.served_model_name,
+                          graceful_shutdown_timeout_s=ns.graceful_shutdown_timeout, engine=EngineArgs.from_cli_args(ns))
         worker = Worker(args)
     except (ValueError, FileNotFoundError) as e:  # a flag or a model that cannot work: say which, no traceback
         raise SystemExit(f"pdserve {role}: {e}") from None
@@ -182,8 +186,8 @@ def run_up(ns, engine_argv: list[str]) -> int:
     gpus = _gpu_plan(engine_argv, sum(n for _, n in plan))
     for role, n in plan:
         for _ in range(n):
-            cmds.append(me + ["worker", "--role", role, "--host", ns.host] + reach + common + engine_argv
-                        + gpus.pop(0))
+            cmds.append(me + ["worker", "--role", role, "--host", ns.host, "--graceful-shutdown-timeout", "0"]
+                        + reach + common + engine_argv + gpus.pop(0))
     # Ctrl-C and SIGTERM only ask the loop below to stop: no exception lands inside a library call, and an
     # `up` started as a background job (which inherits SIGINT ignored) still stops on SIGINT.
     stopping: list[int] = []

@@ -210,6 +210,9 @@ class Dispatcher:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Heartbeat):
             if isinstance(self.registry, MemoryRegistry):
+                if msg.info.state == "stopped":  # its last: the watchdog sees it gone at its next look
+                    self.registry.remove(msg.info.worker_id)
+                    return
                 self.registry.put(msg.info)
                 self.workers[msg.info.worker_id] = msg.info
         elif isinstance(msg, (Allocated, Rejected)):
@@ -320,8 +323,12 @@ class Dispatcher:
                            "(%s, not %s); it gets no requests", w.worker_id, w.role, w.host, w.vocab, self.vocab)
         return False
 
+    def serving(self) -> list[WorkerInfo]:
+        """The workers that take new requests (not those draining to stop)."""
+        return [w for w in self.workers.values() if w.state == "serving"]
+
     def ready(self) -> bool:
-        roles = {w.role for w in self.workers.values()}
+        roles = {w.role for w in self.serving()}
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
     async def _watchdog(self) -> None:
@@ -447,7 +454,7 @@ class Dispatcher:
         while True:
             if t.done:  # aborted while placed again (abort() let go of whatever it had reserved)
                 raise PlacementError(503, self.stopping or "the request ended while it was being placed")
-            workers = list(self.workers.values())
+            workers = self.serving()
             colocated = [w for w in workers if w.role == "colocated"]
             decodes = [w for w in workers if w.role == "decode" and w.worker_id not in rejected]
             prefills = [w for w in workers if w.role == "prefill"]
@@ -557,7 +564,7 @@ class Dispatcher:
         self._settle_prefill(t)
         t.prefill_id = None
         dec = self.workers.get(t.decode_id)
-        candidates = [w for w in self.workers.values() if w.role == "prefill" and w.worker_id != dead]
+        candidates = [w for w in self.serving() if w.role == "prefill" and w.worker_id != dead]
         if dec is None or not candidates or t.done:
             t.done = True
             self._settle_decode(t)

@@ -531,11 +531,12 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 
     @app.get("/health/ready")
     async def ready():
-        workers = list(co.dispatcher.workers.values())
+        workers = co.dispatcher.serving()
         roles = {r: sum(1 for w in workers if w.role == r) for r in ("prefill", "decode", "colocated")}
+        body = {"workers": roles, "draining": len(co.dispatcher.workers) - len(workers)}
         if not co.dispatcher.ready():
-            return JSONResponse({"status": "not ready", "workers": roles}, status_code=503)
-        return {"status": "ready", "workers": roles}
+            return JSONResponse({"status": "not ready", **body}, status_code=503)
+        return {"status": "ready", **body}
 
     @app.get("/metrics")
     async def metrics():

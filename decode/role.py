@@ -46,7 +46,9 @@ class DecodeRole:
 
     # --- control messages -------------------------------------------------------------------------------
     def handle(self, msg) -> None:
-        if isinstance(msg, Allocate):
+        if isinstance(msg, (Allocate, Generate)) and self.w.draining_since is not None:
+            self._turn_away(msg)
+        elif isinstance(msg, Allocate):
             self.pending_alloc.append((time.monotonic() + msg.wait_s, msg))
             self._allocate_pending()
         elif isinstance(msg, Generate):
@@ -58,6 +60,14 @@ class DecodeRole:
             self._abort(msg.rid)
         else:
             logger.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _turn_away(self, msg: Allocate | Generate) -> None:
+        """Draining (engine/worker.py): a request sent before the coordinator heard of it goes elsewhere."""
+        why = f"worker {self.w.worker_id} is shutting down"
+        if isinstance(msg, Allocate):
+            self.w.send(msg.reply_to, Rejected(msg.rid, self.w.worker_id, why, retryable=True))
+        else:
+            self._send(msg.reply_to, TokenDelta(msg.rid, [], error=why, retryable=True))
 
     def _generate(self, msg: Generate) -> None:
         try:

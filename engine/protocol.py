@@ -82,6 +82,9 @@ class WorkerInfo(msgspec.Struct):
     # only with equal `weights`; a coordinator serves only workers whose `vocab` is its tokenizer's.
     weights: str = ""
     vocab: str = ""
+    # "serving"; "draining" once told to stop (SIGTERM): it finishes what it has and takes nothing new;
+    # "stopped" in its last heartbeat, which takes it out of a coordinator's in-process registry at once.
+    state: str = "serving"
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from engine.args import EngineArgs
@@ -47,6 +48,9 @@ class WorkerArgs:
     # by then fails the request (decode/role.py, prefill/role.py).
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 0.5
+    # On SIGTERM the worker takes no new requests and finishes those it has for up to this long; what is still
+    # running then is placed again elsewhere by the coordinator. 0: stop at once. A second SIGTERM stops it.
+    graceful_shutdown_timeout_s: float = 10.0
     served_model_name: str | None = None
     engine: EngineArgs = field(default_factory=EngineArgs)
 
@@ -62,6 +66,8 @@ class WorkerArgs:
         for name in ("transfer_timeout_s", "heartbeat_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.graceful_shutdown_timeout_s >= 0:
+            raise ValueError(f"graceful_shutdown_timeout_s must be >= 0, got {self.graceful_shutdown_timeout_s}")
 
 
 def check_tcp_addr(addr: str, what: str) -> None:
@@ -119,10 +125,12 @@ class Worker:
                 logger.warning("transfer backend %s unavailable here: %s", n, e)
         if self.followers is not None:
             self._join_followers()
-        self.outbox = Outbox(self.ctx)
+        self._out_ctx = zmq.Context()  # its own, so that close() can wait for what the outbox still holds
+        self.outbox = Outbox(self._out_ctx)
         self.leases = Leases()
         self._next_lease_check = 0.0
         self.stopping = False
+        self.draining_since: float | None = None  # (monotonic) when drain() was called
         self.started_at = time.time()
         self._next_snapshot = 0.0
         self.role = make_role(args.role, self)
@@ -176,12 +184,43 @@ class Worker:
             layout=KVLayout.of(p),
             max_total_tokens=p.max_total_num_tokens, max_model_len=e.max_model_len,
             transfer=dict(self.endpoints), load=load, pid=os.getpid(),
-            started_at=self.started_at, weights=e.weights_digest, vocab=self.vocab_digest)
+            started_at=self.started_at, weights=e.weights_digest, vocab=self.vocab_digest,
+            state="serving" if self.draining_since is None else "draining")
+
+    # --- stopping in order ----------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Take no new requests (the coordinators learn it from the next heartbeat; what reaches the worker
+        before that is turned away, to be placed elsewhere) and finish the ones here."""
+        if self.draining_since is not None:
+            return
+        self.draining_since = time.monotonic()
+        self._next_snapshot = 0.0
+        logger.info("draining: finishing %d request(s) within %g s, taking no new ones", self.engine.stats()["running"],
+                    self.args.graceful_shutdown_timeout_s)
+
+    def drained(self) -> bool:
+        """Draining, and nothing left to finish (or no time left to finish it)."""
+        if self.draining_since is None:
+            return False
+        if time.monotonic() - self.draining_since >= self.args.graceful_shutdown_timeout_s:
+            s = self.engine.stats()
+            if s["running"] or s["waiting"]:
+                logger.warning("draining: %d request(s) still here after %g s are left to the coordinator to place "
+                               "again", s["running"] + s["waiting"], self.args.graceful_shutdown_timeout_s)
+            return True
+        return not (self.engine.has_work() or self.role.pending() or self.role.waiting_on_transfers()
+                    or self.outbox.backlog())
 
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        def on_sigterm(*_):
+            if self.draining_since is None and self.args.graceful_shutdown_timeout_s > 0:
+                self.drain()
+            else:
+                self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         self._heartbeat.start()
         poller = zmq.Poller()
         poller.register(self.ctrl, zmq.POLLIN)
@@ -189,7 +228,7 @@ class Worker:
             for sock in t.sockets():
                 poller.register(sock, zmq.POLLIN)
         try:
-            while not self.stopping:
+            while not self.stopping and not self.drained():
                 busy = self.engine.has_work()
                 poller.poll(0 if busy else (2 if self.role.waiting_on_transfers() else 20))
                 self.run_once()
@@ -250,7 +289,11 @@ class Worker:
             logger.info("the coordinator at %s shut down: %d request(s) ended", addr, n)
 
     def close(self) -> None:
-        self._heartbeat.stop()
+        # A drained worker's last tokens reach their coordinators before it leaves the registry: one that saw it
+        # gone first would place a request that had finished again.
+        self.outbox.close(linger_s=1.0 if self.draining_since is not None else 0.0)
+        self._out_ctx.term()
+        self._heartbeat.stop(last=msgspec.structs.replace(self.snapshot, state="stopped"))
         if self.followers is not None:
             from engine.parallel import leave_group
 
@@ -258,7 +301,6 @@ class Worker:
             leave_group()
         for t in self.transfers.values():
             t.close()
-        self.outbox.close()
         self.ctrl.close(0)
         self.ctx.term()
 
@@ -316,7 +358,8 @@ class _Heartbeat(threading.Thread):
                 self.outage.failed(e)
             self.done.wait(self.w.args.heartbeat_interval_s)
 
-    def stop(self) -> None:
+    def stop(self, last: WorkerInfo | None = None) -> None:
+        """Stop beating; `last`, sent to a coordinator's in-process registry, takes the worker out of it."""
         self.done.set()
         if self.is_alive():
             self.join(timeout=2)
@@ -327,7 +370,12 @@ class _Heartbeat(threading.Thread):
                 pass
             self.registry.close()
         if self.sock is not None:
-            self.sock.close(0)
+            if last is not None:  # the coordinator need not wait for the worker's entry to go stale
+                try:
+                    self.sock.send(encode(Heartbeat(last)), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            self.sock.close(500 if last is not None else 0)
 
 
 def make_role(name: str, worker: Worker):

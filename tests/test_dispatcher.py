@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import logging
 
+import msgspec
 import pytest
 import zmq
 
 from coordinator.dispatcher import Dispatcher, PlacementError
 from coordinator.registry import MemoryRegistry
-from engine.protocol import (Abort, Allocate, Allocated, KVLayout, Lease, LivePeers, PeerLeft, Prefill, TokenBatch,
-                             TokenDelta, WorkerInfo, decode, encode)
+from engine.protocol import (Abort, Allocate, Allocated, Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, Prefill,
+                             TokenBatch, TokenDelta, WorkerInfo, decode, encode)
 
 LAYOUT = KVLayout(2, 16, 2, 32, "float32")
 
@@ -599,5 +600,34 @@ def test_a_coordinator_that_stops_ends_its_requests_refuses_new_ones_and_gives_i
                     break
                 await asyncio.sleep(0.01)
             assert w.leases[-1] == Lease(addr, 0.0), w.info.worker_id
+
+    run(scenario())
+
+
+def test_a_draining_worker_gets_no_new_requests_and_its_last_heartbeat_takes_it_out_at_once(cluster):
+    """A worker told to stop drains (engine/worker.py): requests go to the others, and once it is gone its
+    last heartbeat ("stopped") takes it out of the in-process registry without waiting for it to go stale."""
+    registry, workers, reply = cluster
+
+    async def scenario():
+        async with started(registry, reply) as d:
+            registry.put(msgspec.structs.replace(workers["d0"].info, state="draining"))
+            d.refresh()
+            placing = [asyncio.create_task(d.submit([1, 2, 3], {})) for _ in range(3)]
+            for _ in range(3):
+                msg = await workers["d1"].next()
+                assert isinstance(msg, Allocate)
+                reply.send(encode(Allocated(msg.rid, "d1", [7], 0)))
+            assert [t.decode_id for t in await asyncio.gather(*placing)] == ["d1"] * 3
+            assert not [m for m in workers["d0"].drain() if isinstance(m, Allocate)]
+            assert d.ready()
+
+            reply.send(encode(Heartbeat(msgspec.structs.replace(workers["d0"].info, state="stopped"))))
+            for _ in range(100):
+                if "d0" not in d.workers:
+                    break
+                await asyncio.sleep(0.01)
+            assert "d0" not in d.workers and "d0" not in {w.worker_id for w in registry.alive()}
+            assert PeerLeft("d0") in workers["p0"].drain()
 
     run(scenario())
