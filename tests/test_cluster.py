@@ -214,7 +214,8 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
 def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, reference, redis_server, backend,
                                                          registry):
     c = start(tmp_path_factory, prefill=2, decode=2, backend=backend,
-              redis_url=redis_server.url if registry == "redis" else None)
+              redis_url=redis_server.url if registry == "redis" else None,
+              worker_args=["--graceful-shutdown-timeout", "60"])  # (a 120-token stream takes 15 s here)
     try:
         # Two at a time: each pair of requests spreads over both prefill and both decode workers.
         assert run_prompts(c, parallel=2) == reference["ids"]
@@ -253,10 +254,12 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
             assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
         from prometheus_client.parser import text_string_to_metric_families
 
-        with c.client() as h:
-            families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
-        placed_again = sum(s.value for s in families["pdserve_requests_placed_again"].samples)
-        assert placed_again == sum(1 for w, _ in results if w == victim)
+        def placed_again() -> float:
+            with c.client() as h:
+                families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
+            return sum(s.value for s in families["pdserve_requests_placed_again"].samples)
+
+        assert placed_again() == sum(1 for w, _ in results if w == victim)
         assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
 
         # The prefill workers let go of the dead decode worker (the coordinator's PeerLeft): once both have
@@ -281,6 +284,23 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
         assert time.time() - t_kill < 3.0
         assert generate(c, PROMPTS[1])["output_ids"] == reference["ids"][1]
         assert_pools_clean(c)
+
+        # SIGTERM the last decode worker while it streams: it drains (takes nothing new, so the cluster is not
+        # ready), finishes the stream in full where it is, and exits once idle.
+        last = next(w["worker_id"] for w in c.workers() if w["role"] == "decode")
+        before = placed_again()
+        with ThreadPoolExecutor(1) as pool:
+            f = pool.submit(long_stream, 5)
+            while not next(w for w in c.workers() if w["worker_id"] == last)["load"]["running"]:
+                time.sleep(0.05)
+            c.procs[last].terminate()
+            while httpx.get(f"{c.url}/health/ready").status_code != 503:
+                time.sleep(0.05)
+            worker, events = f.result(timeout=60)
+        assert worker == last and events[-1] == "data: [DONE]" and not any("error" in e for e in events), events[-3:]
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
+        assert c.procs[last].wait(timeout=10) == 0
+        assert placed_again() == before, "nothing was placed again"
     finally:
         c.stop()
 
