@@ -58,6 +58,8 @@ class _WorkerCollector:
                                          "falls behind (a coordinator slower than its workers)", labels=labels),
             "tp": GaugeMetricFamily("pdserve_worker_tp_size", "Tensor-parallel ranks (GPUs) of the worker",
                                     labels=labels),
+            "draining": GaugeMetricFamily("pdserve_worker_draining", "1 while the worker drains to stop (it gets "
+                                          "no new requests), else 0", labels=labels),
         }
         c = {
             "hit": CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
@@ -83,6 +85,7 @@ class _WorkerCollector:
             g["peers"].add_metric(lv, ld.transfer_peers)
             g["backlog"].add_metric(lv, ld.outbox_backlog)
             g["tp"].add_metric(lv, w.layout.tp_size)
+            g["draining"].add_metric(lv, float(w.state == "draining"))
             c["hit"].add_metric(lv, ld.prefix_hit_tokens)
             c["query"].add_metric(lv, ld.prefix_query_tokens)
             c["tbytes"].add_metric(lv, ld.transfer_bytes)

@@ -119,9 +119,10 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
                      "pdserve_requests", "pdserve_prompt_tokens", "pdserve_generation_tokens",
                      "pdserve_queue_depth", "pdserve_running_requests", "pdserve_kv_pool_usage_ratio",
                      "pdserve_prefix_cache_hit_tokens", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_failures",
-                     "pdserve_worker_outbox_backlog"):
+                     "pdserve_worker_outbox_backlog", "pdserve_worker_draining"):
             assert name in families, name
         assert all(s.value == 0 for s in families["pdserve_worker_outbox_backlog"].samples), "a coordinator keeping up"
+        assert [s.value for s in families["pdserve_worker_draining"].samples] == [0, 0]
         sent = [s for s in families["pdserve_kv_transfer_bytes"].samples if s.labels["role"] == "prefill"]
         assert sent and sent[0].value > 0
         # The prefix shared by four prompts was found in the prefill worker's cache.
@@ -254,10 +255,13 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
             assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
         from prometheus_client.parser import text_string_to_metric_families
 
-        def placed_again() -> float:
+        def samples(name: str) -> list:
             with c.client() as h:
                 families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}
-            return sum(s.value for s in families["pdserve_requests_placed_again"].samples)
+            return families[name].samples
+
+        def placed_again() -> float:
+            return sum(s.value for s in samples("pdserve_requests_placed_again"))
 
         assert placed_again() == sum(1 for w, _ in results if w == victim)
         assert generate(c, PROMPTS[0])["output_ids"] == reference["ids"][0]
@@ -296,6 +300,7 @@ def test_2p2d_matches_colocated_and_survives_worker_loss(tmp_path_factory, refer
             c.procs[last].terminate()
             while httpx.get(f"{c.url}/health/ready").status_code != 503:
                 time.sleep(0.05)
+            assert {s.labels["worker"]: s.value for s in samples("pdserve_worker_draining")}[last] == 1
             worker, events = f.result(timeout=60)
         assert worker == last and events[-1] == "data: [DONE]" and not any("error" in e for e in events), events[-3:]
         assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
