@@ -117,3 +117,13 @@ def assert_pool_clean(engine) -> None:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture
+def played(tiny_llama):
+    """Real workers on the tiny Llama, in this process, whose coordinator the test plays (tests/played.py)."""
+    from played import PlayedCluster
+
+    c = PlayedCluster(tiny_llama[0])
+    yield c
+    c.close()

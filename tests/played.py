@@ -88,6 +88,11 @@ def errors(got) -> list[str]:
     return [d.error for m in got if isinstance(m, TokenBatch) for d in m.items if d.error]
 
 
+def finished(got, rid: str | None = None) -> bool:
+    """A request (`rid`, or any) has had its last token."""
+    return any(d.finish_reason and rid in (None, d.rid) for m in got if isinstance(m, TokenBatch) for d in m.items)
+
+
 def tokens(got) -> int:
     return sum(len(d.token_ids) for m in got if isinstance(m, TokenBatch) for d in m.items)
 

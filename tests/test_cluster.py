@@ -134,6 +134,21 @@ def test_1p1d_matches_colocated(tmp_path_factory, reference, redis_server, shape
         c.stop()
 
 
+@contextlib.contextmanager
+def decoding(c: Cluster, prompt: str, running):
+    """A long greedy stream through `c`'s coordinator, from when its first token is out and `running()` (the
+    decode worker's count, once its heartbeats have told the registry) says it decodes: the stream's lines."""
+    with c.client() as h, h.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2000, "temperature": 0, "stream": True,
+            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        while not running():
+            time.sleep(0.1)
+        yield lines
+
+
 def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path_factory, reference, redis_server):
     """Front doors scale out: a second coordinator on the same Redis registry finds the same workers, and
     requests sent through both at once, interleaved in the workers' batches, each come back to the coordinator
@@ -170,14 +185,7 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         # SIGTERM a coordinator while a long request streams through it (minutes of decoding here): past its
         # grace its client reads an error rather than a cut connection, and the workers end the request at
         # once, not when the coordinator's 15 s lease would have run out.
-        with g.client() as h, h.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2000, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-            while not running():  # until the heartbeats have told the registry
-                time.sleep(0.1)
+        with decoding(g, PROMPTS[2], running) as lines:
             g.procs["coordinator"].terminate()
             t_term = time.time()
             rest = [line for line in lines if line.startswith("data: ")]
@@ -190,14 +198,7 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         assert_pools_clean(a)
 
         # SIGKILL the second coordinator while a long request streams through it.
-        with b.client() as h, h.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-            while not running():
-                time.sleep(0.1)
+        with decoding(b, PROMPTS[3], running):
             b.kill("coordinator")
             t_kill = time.time()
         while running():

@@ -9,36 +9,23 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from engine.protocol import Allocate, Generate, Rejected, TokenBatch
-from played import PROMPT, PlayedCluster, assert_nothing_held, errors, tokens
+from played import PROMPT, assert_nothing_held, errors, finished, tokens
 
 SHORT_PROMPT = PROMPT[:8]
 PARAMS = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
-def finished(got, rid) -> bool:
-    return any(d.rid == rid and d.finish_reason for m in got if isinstance(m, TokenBatch) for d in m.items)
-
-
-@pytest.fixture
-def workers(tiny_llama):
-    c = PlayedCluster(tiny_llama[0])
-    yield c
-    c.close()
-
-
-def test_a_draining_worker_finishes_its_requests_and_turns_new_ones_away(workers):
-    col = workers.start("colocated")
-    workers.send(col, Generate("r1", SHORT_PROMPT, PARAMS, workers.addr))
-    got = workers.pump(lambda g: tokens(g) > 0, col)
+def test_a_draining_worker_finishes_its_requests_and_turns_new_ones_away(played):
+    col = played.start("colocated")
+    played.send(col, Generate("r1", SHORT_PROMPT, PARAMS, played.addr))
+    got = played.pump(lambda g: tokens(g) > 0, col)
     assert col.info().state == "serving" and not col.drained()
 
     col.drain()
     assert col.info().state == "draining"
-    workers.send(col, Generate("r2", SHORT_PROMPT, PARAMS, workers.addr))
-    got += workers.pump(lambda g: finished(g, "r1"), col, timeout=30)
+    played.send(col, Generate("r2", SHORT_PROMPT, PARAMS, played.addr))
+    got += played.pump(lambda g: finished(g, "r1"), col, timeout=30)
     turned = [d for m in got if isinstance(m, TokenBatch) for d in m.items if d.rid == "r2"]
     assert len(turned) == 1 and turned[0].retryable and "shutting down" in turned[0].error, turned
     assert errors(got) == [turned[0].error], "the running request was not cut short"
@@ -47,31 +34,31 @@ def test_a_draining_worker_finishes_its_requests_and_turns_new_ones_away(workers
     assert_nothing_held(col)
 
 
-def test_a_draining_decode_worker_waits_for_the_kv_it_reserved_pages_for(workers):
-    dec = workers.start("decode")
-    pre = workers.start("prefill")
-    alloc = workers.allocate(dec, "r1", PARAMS, SHORT_PROMPT)
+def test_a_draining_decode_worker_waits_for_the_kv_it_reserved_pages_for(played):
+    dec = played.start("decode")
+    pre = played.start("prefill")
+    alloc = played.allocate(dec, "r1", PARAMS, SHORT_PROMPT)
     dec.drain()
-    workers.send(dec, Allocate("r2", SHORT_PROMPT, PARAMS, workers.addr, "nixl", 1.0))
-    got = workers.pump(lambda g: any(isinstance(m, Rejected) for m in g), dec)
+    played.send(dec, Allocate("r2", SHORT_PROMPT, PARAMS, played.addr, "nixl", 1.0))
+    got = played.pump(lambda g: any(isinstance(m, Rejected) for m in g), dec)
     no = next(m for m in got if isinstance(m, Rejected))
     assert no.rid == "r2" and no.retryable and "shutting down" in no.reason
     assert not dec.drained(), "pages reserved for a prompt's KV: it is on its way"
 
-    workers.prefill(pre, dec, alloc, alloc.kv_timeout_s, params=PARAMS, prompt=SHORT_PROMPT)
-    got = workers.pump(lambda g: finished(g, "r1"), pre, dec, timeout=30)
+    played.prefill(pre, dec, alloc, alloc.kv_timeout_s, params=PARAMS, prompt=SHORT_PROMPT)
+    got = played.pump(lambda g: finished(g, "r1"), pre, dec, timeout=30)
     assert not errors(got) and tokens(got) == PARAMS["max_tokens"]
     assert dec.drained()
     assert_nothing_held(pre, dec)
 
 
-def test_past_its_grace_a_draining_worker_leaves_with_requests_still_running(workers):
-    col = workers.start("colocated", graceful_shutdown_timeout_s=0.3)
+def test_past_its_grace_a_draining_worker_leaves_with_requests_still_running(played):
+    col = played.start("colocated", graceful_shutdown_timeout_s=0.3)
     long = dict(PARAMS, max_tokens=400)
-    workers.send(col, Generate("r1", SHORT_PROMPT, long, workers.addr))
-    workers.pump(lambda g: tokens(g) > 0, col)
+    played.send(col, Generate("r1", SHORT_PROMPT, long, played.addr))
+    played.pump(lambda g: tokens(g) > 0, col)
     col.drain()
     t0 = time.monotonic()
-    workers.pump(lambda g: col.drained(), col)
+    played.pump(lambda g: col.drained(), col)
     assert 0.3 <= time.monotonic() - t0 < 1.5
     assert col.engine.stats()["running"] == 1, "left to the coordinator to place again"
