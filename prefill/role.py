@@ -31,7 +31,12 @@ class PrefillRole:
         return bool(self.engine.held)
 
     def handle(self, msg) -> None:
-        if isinstance(msg, Prefill):
+        if isinstance(msg, Prefill) and self.w.draining_since is not None:
+            # Draining (engine/worker.py): sent before the coordinator heard. Its decode worker lets the pages
+            # go and the coordinator places it again, with another prefill worker; computing it here could
+            # outlast the grace and be placed again anyway.
+            self._fail(msg, f"worker {self.w.worker_id} is shutting down", retryable=True)
+        elif isinstance(msg, Prefill):
             self._prefill(msg)
         elif isinstance(msg, Abort):
             self.meta.pop(msg.rid, None)

@@ -52,6 +52,21 @@ def test_a_draining_decode_worker_waits_for_the_kv_it_reserved_pages_for(played)
     assert_nothing_held(pre, dec)
 
 
+def test_a_draining_prefill_worker_turns_prompts_away_and_their_decode_worker_lets_the_pages_go(played):
+    dec = played.start("decode")
+    pre = played.start("prefill")
+    alloc = played.allocate(dec, "r1", PARAMS, SHORT_PROMPT)
+    pre.drain()
+    played.prefill(pre, dec, alloc, alloc.kv_timeout_s, params=PARAMS, prompt=SHORT_PROMPT)
+    got = played.pump(lambda g: errors(g), pre, dec)
+    turned = [d for m in got if isinstance(m, TokenBatch) for d in m.items]
+    assert len(turned) == 1 and turned[0].rid == "r1" and turned[0].retryable, turned
+    assert "shutting down" in turned[0].error and tokens(got) == 0
+    played.pump(lambda g: not dec.engine.awaiting, pre, dec)
+    assert pre.drained()
+    assert_nothing_held(pre, dec)
+
+
 def test_past_its_grace_a_draining_worker_leaves_with_requests_still_running(played):
     col = played.start("colocated", graceful_shutdown_timeout_s=0.3)
     long = dict(PARAMS, max_tokens=400)
