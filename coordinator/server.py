@@ -556,12 +556,22 @@ def create_app(args: CoordinatorArgs) -> FastAPI:
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) stops taking connections and waits for the open ones;
     past `grace_s` the requests still running end with an error their clients read, rather than being cut off
-    mid-stream (uvicorn would cancel them) or waited for without end."""
+    mid-stream (uvicorn would cancel them) or waited for without end. A second signal ends the grace."""
 
     def __init__(self, config: uvicorn.Config, dispatcher: Dispatcher, grace_s: float):
         super().__init__(config)
         self.dispatcher = dispatcher
         self.grace_s = grace_s
+        self.hurry = False  # a second signal: the grace is over
+
+    def handle_exit(self, sig, frame) -> None:
+        again = self.should_exit
+        super().handle_exit(sig, frame)
+        if again:
+            # uvicorn's second Ctrl-C cuts every stream; here the second signal of either kind ends the requests
+            # with their reason first (their streams then close by themselves), and only a third cuts.
+            self.force_exit = self.hurry
+            self.hurry = True
 
     async def shutdown(self, sockets=None) -> None:
         ender = asyncio.create_task(self._end_after_grace())
@@ -574,7 +584,9 @@ class _DrainingServer(uvicorn.Server):
         if self.dispatcher.requests and self.grace_s > 0:
             logger.info("shutting down: %d request(s) may finish within %g s", len(self.dispatcher.requests),
                         self.grace_s)
-        await asyncio.sleep(self.grace_s)
+        end = time.monotonic() + self.grace_s
+        while time.monotonic() < end and not self.hurry:
+            await asyncio.sleep(0.05)
         n = self.dispatcher.end_all("the coordinator is shutting down")
         if n:
             logger.warning("shutting down: %d request(s) ended unfinished", n)
