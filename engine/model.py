@@ -12,13 +12,13 @@ import math
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import checkpoint_quant
 from engine.config import ModelConfig
 from engine.env import Env
 from engine.parallel import TensorParallel
+from kernels.cpu_linear import linear
 from kernels.fp8_linear import FP8, Fp8Linear
 from kernels.fused import add_rms_norm, rms_norm_ref, silu_and_mul
 from kernels.gemv import available as gemv_available
@@ -120,7 +120,7 @@ class Linear(nn.Linear):
                         next_norm=None if next_norm is None else next_norm.weight)
         if x.shape[0] == 1 and gemv_available(x) and x.dtype == self.weight.dtype:
             return gemv(x, self.weight, bias=self.bias, glu=glu)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return silu_and_mul(y) if glu else y
 
 
@@ -299,7 +299,7 @@ class CausalLM(nn.Module):
                 and weight.dtype == hidden.dtype):
             logits = gemv(hidden, weight, out_dtype=torch.float32)
         else:
-            logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+            logits = (linear(hidden, weight) if plain else head(hidden)).float()
         if self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits

@@ -1,0 +1,23 @@
+"""Projections on the CPU: float32 ones go through oneDNN's matmul (the op torch.compile's CPU backend emits),
+not the MKL call torch's `F.linear` makes.
+
+On one token MKL takes its matrix-vector path, which runs on one thread and reads a [N, K] weight at about
+half the rate oneDNN does (the embedded model's LM head: 10.8 against 24.5 GB/s on the 2-core test machine);
+on a few tokens oneDNN is faster too, and on a long prompt the same. The whole embedded model decodes a third
+faster at batch 1 and 4 (docs/benchmarks.md, "CPU"). The weights stay what they are (no packed copy: the tied
+embedding table is still the LM head). bf16 already reaches oneDNN through `F.linear`; other dtypes are not
+offered by it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN where that is faster (float32 on the CPU)."""
+    if _ONEDNN is not None and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        return _ONEDNN(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
