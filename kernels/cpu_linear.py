@@ -13,7 +13,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def _onednn():
+    """oneDNN's linear op where this build has it and it answers a small product right (a private op: a build
+    or platform without it, or one where it fails, keeps F.linear)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return None
+    x, w = torch.arange(6.0).view(2, 3), torch.arange(12.0).view(4, 3)
+    try:
+        return op if torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)) else None
+    except RuntimeError:
+        return None
+
+
+_ONEDNN = _onednn()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
