@@ -56,6 +56,32 @@ def test_pages_arrive_bit_exact_with_their_notification(name, dtype):
     rx.close()
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_page_lists_that_do_not_fit_the_pools_fail_the_send_and_write_nothing(name):
+    a, b = pools()  # 40 and 64 pages
+    tx = create_transfer(name, a, "p", "127.0.0.1")
+    rx = create_transfer(name, b, "d", "127.0.0.1")
+    before = b.data.clone()
+    bad = {"r1": ([1, 2], [3]), "r2": ([1, 40], [3, 4]), "r3": ([1, -1], [3, 4])}
+    if name == "nixl":  # one-sided: the sender is all that stands between a wrong index and the receiver's memory
+        bad.update({"r4": ([1, 2], [3, 64]), "r5": ([1, 2], [-3, 4])})
+    for rid, (src, dst) in bad.items():
+        rx.expect(rid, dst)
+        tx.send(rid, "d", rx.endpoint(), src, dst, encode(KVReady(rid, 1)))
+    got, sent = wait_received(rx, tx, timeout=1.0)
+    assert got == [] and torch.equal(b.data, before)
+    assert sorted(r.rid for r in sent) == sorted(bad) and not any(r.ok for r in sent)
+    assert all("out of range" in r.error or "differ in length" in r.error for r in sent), sent
+    # The engine goes on: a good send after them lands.
+    rx.expect("ok", [63])
+    tx.send("ok", "d", rx.endpoint(), [39], [63], encode(KVReady("ok", 1)))
+    got, sent = wait_received(rx, tx)
+    assert [r for r, _ in got] == ["ok"] and sent[-1].ok
+    assert torch.equal(b.data[:, 63], a.data[:, 39])
+    tx.close()
+    rx.close()
+
+
 def test_tcp_drops_data_for_forgotten_or_mismatched_requests():
     a, b = pools()
     tx = create_transfer("tcp", a, "p", "127.0.0.1")

@@ -127,6 +127,16 @@ class TransferEngine(ABC):
     def close(self) -> None:
         pass
 
+    def _check_pages(self, src_pages, dst_pages, remote_pages: int | None) -> None:
+        """A one-sided write goes where the page lists say: lists that do not fit both pools (a bookkeeping error
+        anywhere upstream) are refused, not written over another request's KV or past the receiver's pool.
+        `remote_pages` None: the receiver checks its own (tcp)."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError("source and destination page lists differ in length")
+        for pages, n, whose in ((src_pages, self.pool.num_pages, "source"), (dst_pages, remote_pages, "destination")):
+            if n is not None and len(pages) and not (0 <= min(pages) and max(pages) < n):
+                raise ValueError(f"a {whose} page is out of range (its pool has {n} pages)")
+
     def _record(self, result: SendResult) -> SendResult:
         if result.ok:
             self.stats.bytes += result.nbytes

@@ -239,8 +239,7 @@ class CudaIpcTransfer(TransferEngine):
         try:
             remote, addr = self._peer(peer_id, peer_endpoint)
             n = len(src_pages)
-            if len(dst_pages) != n:
-                raise ValueError("source and destination page lists differ in length")
+            self._check_pages(src_pages, dst_pages, remote.shape[1])
             if rid in self.inflight:
                 raise ValueError(f"a send of {rid} is already in flight")
             event = self._copy(peer_id, remote, src_pages, dst_pages)

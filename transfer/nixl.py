@@ -111,9 +111,8 @@ class NixlTransfer(TransferEngine):
         if self._departed(rid, peer_id, peer_endpoint):
             return
         try:
-            if len(src_pages) != len(dst_pages):
-                raise ValueError("page count mismatch")
             _, remote_dl, ep, _ = self._remote(peer_id, peer_endpoint)
+            self._check_pages(src_pages, dst_pages, ep.num_pages)
             layers = np.arange(self.pool.num_layers, dtype=np.int64)[:, None]
             local_idx = (layers * self.pool.num_pages + np.asarray(src_pages, dtype=np.int64)[None, :]).ravel()
             remote_idx = (layers * ep.num_pages + np.asarray(dst_pages, dtype=np.int64)[None, :]).ravel()

@@ -71,8 +71,10 @@ class TcpTransfer(TransferEngine):
         t0 = now()
         if self._departed(rid, peer_id, peer_endpoint):
             return
-        if len(src_pages) != len(dst_pages):
-            self.done.append(self._record(SendResult(rid, False, "page count mismatch")))
+        try:
+            self._check_pages(src_pages, dst_pages, None)
+        except ValueError as e:
+            self.done.append(self._record(SendResult(rid, False, f"tcp: {e}")))
             return
         data = self.pool.data
         # [layers, n, 2, page, heads, dim] gathered on the device, then one copy to host memory.
