@@ -58,6 +58,9 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str | None) -> None:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds the worker finishes its requests after SIGTERM, taking no new ones; those still "
                         "running then are placed again elsewhere (a second SIGTERM stops it at once)")
+    p.add_argument("--skip-server-warmup", action="store_true",
+                   help="announce the worker without first running two short requests of its own (the first "
+                        "client then waits for the kernels' first calls)")
 
 
 def run_coordinator(ns) -> None:
@@ -88,7 +91,8 @@ def run_worker(ns, role: str) -> None:
                           coordinator_addr=ns.coordinator_addr, worker_id=ns.worker_id,
                           transfer_backends=ns.transfer_backends, transfer_timeout_s=ns.transfer_timeout,
                           served_model_name=ns.served_model_name,
-                          graceful_shutdown_timeout_s=ns.graceful_shutdown_timeout, engine=EngineArgs.from_cli_args(ns))
+                          graceful_shutdown_timeout_s=ns.graceful_shutdown_timeout,
+                          skip_server_warmup=ns.skip_server_warmup, engine=EngineArgs.from_cli_args(ns))
         worker = Worker(args)
     except (ValueError, FileNotFoundError) as e:  # a flag or a model that cannot work: say which, no traceback
         raise SystemExit(f"pdserve {role}: {e}") from None

@@ -25,6 +25,7 @@ from engine.lease import Leases
 from engine.outage import OutageLog
 from engine.outbox import Outbox
 from engine.protocol import Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
+from engine.warmup import warm_up
 from transfer import available_backends, create_transfer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class WorkerArgs:
     # running then is placed again elsewhere by the coordinator. 0: stop at once. A second SIGTERM stops it.
     graceful_shutdown_timeout_s: float = 10.0
     served_model_name: str | None = None
+    # Run two short requests of its own before announcing itself (engine/warmup.py), so that the first client
+    # does not wait for the kernels' first calls (compiles on a GPU).
+    skip_server_warmup: bool = False
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self):
@@ -125,6 +129,16 @@ class Worker:
                 logger.warning("transfer backend %s unavailable here: %s", n, e)
         if self.followers is not None:
             self._join_followers()
+        if not args.skip_server_warmup:
+            try:
+                warm_up(self.engine)
+            except BaseException:
+                for t in self.transfers.values():
+                    t.close()
+                self.ctx.destroy(linger=0)
+                if self.followers is not None:
+                    self.followers.close()
+                raise
         self._out_ctx = zmq.Context()  # its own, so that close() can wait for what the outbox still holds
         self.outbox = Outbox(self._out_ctx)
         self.leases = Leases()
