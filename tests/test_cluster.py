@@ -188,6 +188,17 @@ def test_two_coordinators_over_one_redis_serve_the_same_workers_at_once(tmp_path
         # would have run out.
         with decoding(g, PROMPTS[2], running) as lines:
             g.procs["coordinator"].terminate()
+            # Once it has taken the signal it stops listening (a second signal sent before that might be
+            # merged with the first by the OS).
+            deadline = time.time() + 10
+            while True:
+                try:
+                    with g.client() as h:
+                        h.get("/health", timeout=1)
+                except httpx.TransportError:
+                    break
+                assert time.time() < deadline, "the coordinator still takes connections after SIGTERM"
+                time.sleep(0.05)
             more = [next(lines) for _ in range(6)]
             assert all(line.startswith("data: {") or not line for line in more), more
             g.procs["coordinator"].terminate()
