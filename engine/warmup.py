@@ -27,8 +27,10 @@ def warm_up(engine) -> float:
     t0 = time.perf_counter()
     page = engine.args.page_size
     vocab = engine.config.vocab_size
-    # Two pages and a part: a full page and a partial one, prompts of different lengths in one batch.
-    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in (2 * page + 3, page + 1)]
+    # Two pages and a part: a full page and a partial one, prompts of different lengths in one batch (as far
+    # as a short context leaves room for them and their tokens).
+    room = engine.max_model_len - GREEDY["max_tokens"] - 1
+    prompts = [[(7 * i + 3) % vocab for i in range(min(n, room))] for n in (2 * page + 3, page + 1)]
     reqs = [engine.add_request(p, dict(params), rid=f"warmup-{i}", detokenize=False)
             for i, (p, params) in enumerate(zip(prompts, (GREEDY, SAMPLED)))]
     while engine.has_work():

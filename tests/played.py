@@ -27,9 +27,9 @@ class PlayedCluster:
         self.addr = self.coord.getsockopt_string(zmq.LAST_ENDPOINT)
         self.push: dict[str, zmq.Socket] = {}
 
-    def start(self, role: str, **kw) -> Worker:
-        engine = EngineArgs(model_path=self.model_path, page_size=8, max_total_tokens=1024,
-                            attention_backend="torch", chunked_prefill_size=16)
+    def start(self, role: str, engine_args: dict | None = None, **kw) -> Worker:
+        engine = EngineArgs(**{"model_path": self.model_path, "page_size": 8, "max_total_tokens": 1024,
+                               "attention_backend": "torch", "chunked_prefill_size": 16, **(engine_args or {})})
         self.made.append(Worker(WorkerArgs(role=role, transfer_backends=self.backend, engine=engine,
                                            coordinator_addr=self.addr, **kw)))
         return self.made[-1]

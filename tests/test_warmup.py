@@ -36,3 +36,9 @@ def test_a_worker_warms_up_before_it_is_announced_and_leaves_nothing_behind(play
         cold = played.start("colocated", skip_server_warmup=True)
     assert not any("warmed up" in r.getMessage() for r in caplog.records)
     assert generated(played, warm) == generated(played, cold)
+
+
+def test_a_context_shorter_than_the_warm_up_prompts_still_starts(played):
+    w = played.start("colocated", engine_args={"context_length": 12})
+    assert w.engine.max_model_len == 12
+    assert_nothing_held(w)
