@@ -353,19 +353,28 @@ def test_cuda_ipc_notifications_leave_in_order_once_their_copies_finish():
 
 def test_cuda_ipc_page_lists_pad_what_a_shorter_send_leaves_and_refuse_bad_pages():
     """A send's page pairs go into a fixed buffer that its copy graph reads: entries past the send are -1
-    (pairs the page-copy kernel skips), whatever a longer send before it or a refused one wrote there."""
+    (pairs the page-copy kernel skips), whatever a longer send before it or a refused one wrote there. Pairs
+    that do not fit both pools are refused before any copy reads them."""
     from transfer.cuda_ipc import PageLists
 
     lists = PageLists(8, pin_memory=False)
-    lists.write([3, 4, 5, 6, 7], [10, 11, 12, 13, 14])
+    limits = (40, 64)  # the pools' pages: the sender's, the receiver's
+    lists.write([3, 4, 5, 6, 7], [10, 11, 12, 13, 14], *limits)
     assert lists.host.tolist() == [[3, 4, 5, 6, 7, -1, -1, -1], [10, 11, 12, 13, 14, -1, -1, -1]]
-    lists.write([9, 8], [1, 2])
+    lists.write([9, 8], [1, 2], *limits)
     assert lists.host.tolist() == [[9, 8] + [-1] * 6, [1, 2] + [-1] * 6]
     with pytest.raises(ValueError, match="page lists"):
-        lists.write([1, 2, 3, 2**40], [4, 5, 6, 7])  # the first three are written before the fourth fails
-    lists.write([5], [6])
+        lists.write([1, 2, 3, 2**40], [4, 5, 6, 7], *limits)  # the first three are written before the fourth fails
+    lists.write([5], [6], *limits)
     assert lists.host.tolist() == [[5] + [-1] * 7, [6] + [-1] * 7]
+    # Pages outside either pool are refused once written; the next send's padding covers them again.
+    for src, dst, whose in (([1, 2, 40], [3, 4, 5], "source"), ([1, -2, 3], [3, 4, 5], "source"),
+                            ([1, 2, 3], [3, 64, 5], "destination"), ([1, 2, 3], [-1, 4, 5], "destination")):
+        with pytest.raises(ValueError, match=f"a {whose} page is out of range"):
+            lists.write(src, dst, *limits)
+        lists.write([39], [63], *limits)
+        assert lists.host.tolist() == [[39] + [-1] * 7, [63] + [-1] * 7]
     with pytest.raises(ValueError, match="pages for a buffer of 8"):
-        lists.write(list(range(9)), list(range(9)))
+        lists.write(list(range(9)), list(range(9)), *limits)
     with pytest.raises(ValueError):
-        lists.write([1, 2], [3])
+        lists.write([1, 2], [3], *limits)

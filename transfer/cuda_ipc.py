@@ -87,7 +87,8 @@ class PageLists:
         self.raw = memoryview(self.lists).cast("B")
         self.filled = 0  # entries of each list that may hold pairs; those past it are padding
 
-    def write(self, src_pages, dst_pages) -> None:
+    def write(self, src_pages, dst_pages, src_limit: int, dst_limit: int) -> None:
+        """Fill the buffer with the pairs, refusing any page outside [0, limit) of its pool."""
         n = len(src_pages)
         if len(dst_pages) != n or n > self.bucket:
             raise ValueError(f"page lists of {n} and {len(dst_pages)} pages for a buffer of {self.bucket}")
@@ -98,9 +99,25 @@ class PageLists:
         except struct.error as e:
             self.filled = self.bucket  # partly written: clear it all next time
             raise ValueError(f"page lists: {e}") from None
+        try:
+            check_range(self.lists[:, :n], src_limit, dst_limit)
+        except ValueError:
+            self.filled = max(self.filled, n)  # the refused pairs are cleared next time
+            raise
         if n < self.filled:
             self.lists[:, n:self.filled] = -1
         self.filled = n
+
+
+def check_range(pairs, src_limit: int, dst_limit: int) -> None:
+    """Refuse [2, n] page pairs that do not fit both pools: a one-sided write would land on another request's
+    KV or past the receiver's pool. Checked on the int32 buffer the copy reads, after it is filled: numpy's
+    min and max take a few microseconds where Python's take tens over a long list, and the copy waits."""
+    if pairs.shape[1] == 0:
+        return
+    for row, limit, whose in ((0, src_limit, "source"), (1, dst_limit, "destination")):
+        if pairs[row].min() < 0 or pairs[row].max() >= limit:
+            raise ValueError(f"a {whose} page is out of range (its pool has {limit} pages)")
 
 
 class _CopyGraph:
@@ -109,6 +126,7 @@ class _CopyGraph:
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, bucket: int):
         self.pairs = PageLists(bucket)
         self.host = self.pairs.host
+        self.src_pages = src.shape[1]
         self.dev = torch.full((2, bucket), -1, dtype=torch.int32, device=src.device)
         self.last: torch.cuda.Event | None = None
         stream = torch.cuda.Stream(src.device)
@@ -121,10 +139,10 @@ class _CopyGraph:
             self.dev.copy_(self.host, non_blocking=True)
             copy_pages(src, dst, self.dev[0], self.dev[1])
 
-    def send(self, src_pages, dst_pages) -> torch.cuda.Event:
+    def send(self, src_pages, dst_pages, dst_limit: int) -> torch.cuda.Event:
         if self.last is not None:
             self.last.synchronize()  # the previous replay has read the pinned lists (long since, as a rule)
-        self.pairs.write(src_pages, dst_pages)
+        self.pairs.write(src_pages, dst_pages, self.src_pages, dst_limit)
         self.graph.replay()
         self.last = torch.cuda.Event(blocking=True)
         self.last.record()
@@ -239,7 +257,8 @@ class CudaIpcTransfer(TransferEngine):
         try:
             remote, addr = self._peer(peer_id, peer_endpoint)
             n = len(src_pages)
-            self._check_pages(src_pages, dst_pages, remote.shape[1])
+            if len(dst_pages) != n:
+                raise ValueError("source and destination page lists differ in length")
             if rid in self.inflight:
                 raise ValueError(f"a send of {rid} is already in flight")
             event = self._copy(peer_id, remote, src_pages, dst_pages)
@@ -260,13 +279,17 @@ class CudaIpcTransfer(TransferEngine):
             key = (peer_id, bucket)
             if key not in self.graphs:
                 self.graphs[key] = _CopyGraph(self.pool.data, remote, bucket)
-            return self.graphs[key].send(src_pages, dst_pages)
+            return self.graphs[key].send(src_pages, dst_pages, remote.shape[1])
         # Beyond the largest graph (or nothing to send) two launches cost little next to the copy itself.
         # The page lists go in one asynchronous copy from pinned memory (torch's caching host allocator keeps
         # the buffer until the copy has run), so the host does not wait for the device here.
         host = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
-        host.numpy()[:n] = src_pages
-        host.numpy()[n:] = dst_pages
+        try:
+            host.numpy()[:n] = src_pages
+            host.numpy()[n:] = dst_pages
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"page lists: {e}") from None
+        check_range(host.numpy().reshape(2, n), self.pool.num_pages, remote.shape[1])
         pages = host.to(self.pool.device, non_blocking=True)
         copy_pages(self.pool.data, remote, pages[:n], pages[n:])
         event = torch.cuda.Event(blocking=True)
