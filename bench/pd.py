@@ -133,7 +133,10 @@ def pd_rows(model_dir: str, prompt_len: int = 4096, runs: int = 7, engine_args: 
     return [(f"TTFT of a lone {prompt_len}-token request, 1P1D `pdserve up`: ms (colocated ms)", pd * 1e3,
              co * 1e3, pd / co, "<= 1.05"),
             (f"greedy tokens, 1P1D vs colocated, {len(prompts)} prompts x 32 tokens: prompts equal", same,
-             len(prompts), same / len(prompts), "== 1")]
+             len(prompts), same / len(prompts), "== 1")] + [
+            (f"TTFT of the first {prompt_len}-token request after ready (the workers warmed up), {k}: ms (the "
+             f"later requests' median ms)", results[k]["first"][0] * 1e3, statistics.median(results[k]["ttft"]) * 1e3,
+             results[k]["first"][0] / statistics.median(results[k]["ttft"]), "(for comparison)") for k in results]
 
 
 def main() -> None:
