@@ -167,6 +167,16 @@ class PeerLeft(msgspec.Struct, tag=True):
     worker_id: str
 
 
+class Introduce(msgspec.Struct, tag=True):
+    """Coordinator -> a prefill worker, once for each decode worker it may send KV to, when the coordinator
+    first sees the two pair: connect now (a NIXL agent's metadata, a CUDA IPC mapping of the peer's pool, a
+    socket), ahead of the first request between them, whose time to first token would pay for it."""
+
+    peer_id: str
+    backend: str
+    endpoint: bytes
+
+
 class LivePeers(msgspec.Struct, tag=True):
     """Coordinator -> workers, when it starts and every half minute: the workers in the registry. A worker
     lets go of transfer peers missing from it that it has not used for a while: peers whose PeerLeft it never
@@ -205,8 +215,8 @@ class TokenBatch(msgspec.Struct, tag=True):
     items: list[TokenDelta]
 
 
-Message = (Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | LivePeers
-           | Lease | TokenBatch)
+Message = (Heartbeat | Generate | Allocate | Allocated | Rejected | Prefill | KVReady | Abort | PeerLeft | Introduce
+           | LivePeers | Lease | TokenBatch)
 
 def wire_prompt_logprobs(req) -> list[PromptLogprob] | None:
     """A request's prompt logprobs as the wire carries them, or None when it did not ask for them."""

@@ -131,6 +131,13 @@ class Follower:
             self.transfers[args[0]].forget(args[1])
         elif name == "drop_peer":
             self.transfers[args[0]].drop_peer(args[1], args[2])
+        elif name == "connect":
+            backend, peer_id, eps = args
+            try:
+                self.transfers[backend].connect(peer_id, eps[self.rank])
+            except Exception as e:  # as on the leader: the first send tries again and reports it
+                logger.warning("rank %d: could not connect to transfer peer %s (%s): %s", self.rank, peer_id,
+                               backend, e)
         elif name == "stop":
             return False
         else:

@@ -323,6 +323,13 @@ class MirroredTransfer:
             self._expected.discard(rid)
         return out
 
+    def connect(self, peer_id: str, endpoint: bytes) -> None:
+        eps = rank_endpoints(endpoint)
+        if len(eps) != self._followers.size:
+            raise ValueError(f"the peer has {len(eps)} ranks, this worker {self._followers.size}")
+        self._followers.call("connect", self._name, peer_id, eps)
+        self._t.connect(peer_id, eps[0])
+
     def drop_peer(self, peer_id: str, departed: bool = True) -> None:
         self._followers.call("drop_peer", self._name, peer_id, departed)
         self._t.drop_peer(peer_id, departed)

@@ -24,7 +24,8 @@ from engine.engine import Engine
 from engine.lease import Leases
 from engine.outage import OutageLog
 from engine.outbox import Outbox
-from engine.protocol import Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode, encode
+from engine.protocol import (Heartbeat, Introduce, KVLayout, Lease, LivePeers, PeerLeft, WorkerInfo, WorkerLoad, decode,
+                             encode)
 from engine.warmup import warm_up
 from transfer import available_backends, create_transfer
 
@@ -249,6 +250,16 @@ class Worker:
         finally:
             self.close()
 
+    def _introduce(self, msg: Introduce) -> None:
+        t = self.transfers.get(msg.backend)
+        if t is None:
+            return
+        try:
+            t.connect(msg.peer_id, msg.endpoint)
+        except Exception as e:  # NIXL raises its own error types; the first send tries again and reports it
+            logger.warning("could not connect to transfer peer %s (%s) ahead of its first request: %s", msg.peer_id,
+                           msg.backend, e)
+
     def run_once(self) -> None:
         if self.followers is not None:
             self.followers.check()
@@ -262,6 +273,8 @@ class Worker:
             if isinstance(msg, PeerLeft):
                 for t in self.transfers.values():
                     t.drop_peer(msg.worker_id)
+            elif isinstance(msg, Introduce):
+                self._introduce(msg)
             elif isinstance(msg, LivePeers):
                 live = set(msg.worker_ids)
                 for t in self.transfers.values():

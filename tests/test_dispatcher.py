@@ -13,15 +13,15 @@ import zmq
 
 from coordinator.dispatcher import Dispatcher, PlacementError
 from coordinator.registry import MemoryRegistry
-from engine.protocol import (Abort, Allocate, Allocated, Heartbeat, KVLayout, Lease, LivePeers, PeerLeft, Prefill,
-                             TokenBatch, TokenDelta, WorkerInfo, decode, encode)
+from engine.protocol import (Abort, Allocate, Allocated, Heartbeat, Introduce, KVLayout, Lease, LivePeers, PeerLeft,
+                             Prefill, TokenBatch, TokenDelta, WorkerInfo, decode, encode)
 
 LAYOUT = KVLayout(2, 16, 2, 32, "float32")
 
 
 class FakeWorker:
     """A worker's control socket: what the dispatcher sent it, in order (LivePeers and Lease, sent on timers,
-    apart)."""
+    and Introduce, sent as workers appear, apart)."""
 
     def __init__(self, ctx: zmq.Context, worker_id: str, role: str):
         self.sock = ctx.socket(zmq.PULL)
@@ -30,6 +30,7 @@ class FakeWorker:
         self.backlog: list = []  # read by a helper that looked for something else
         self.live_peers: list[LivePeers] = []
         self.leases: list[Lease] = []
+        self.introductions: list[Introduce] = []
         self.log: list = []  # every message, in the order it came
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
                                "default", LAYOUT, 4096, 4096, transfer={"tcp": b"tcp://127.0.0.1:1"})
@@ -42,6 +43,8 @@ class FakeWorker:
                 self.live_peers.append(msg)
             elif isinstance(msg, Lease):
                 self.leases.append(msg)
+            elif isinstance(msg, Introduce):
+                self.introductions.append(msg)
             else:
                 return msg
 
@@ -267,6 +270,45 @@ def test_workers_hear_which_peers_are_in_the_registry(cluster, monkeypatch):
                 assert workers[name].live_peers[-1] == LivePeers(["d0", "p0"])
 
     run(scenario())
+
+
+def test_a_prefill_worker_is_introduced_once_to_each_decode_worker_it_pairs_with_as_they_appear(cluster):
+    """So that it connects to them before their first request (NIXL's agent metadata and connection, a CUDA
+    IPC mapping) instead of in it. Decode workers of other weights, and workers that are draining, are not
+    introduced; one that leaves and comes back is introduced again."""
+    import msgspec
+
+    registry, workers, reply = cluster
+    workers["d2"] = FakeWorker(zmq.Context.instance(), "d2", "decode")
+    workers["d2"].info = msgspec.structs.replace(workers["d2"].info, weights="other")
+
+    def introduced(name="p0"):
+        workers[name].drain()
+        return sorted((m.peer_id, m.backend, m.endpoint) for m in workers[name].introductions)
+
+    async def scenario():
+        async with started(registry):
+            await asyncio.sleep(0.6)
+            endpoint = b"tcp://127.0.0.1:1"
+            assert introduced() == [("d0", "tcp", endpoint), ("d1", "tcp", endpoint)]
+            assert not any(introduced(name) for name in ("d0", "d1")), "only prefill workers connect out"
+            registry.put(workers["d2"].info)
+            draining = msgspec.structs.replace(workers["d2"].info, worker_id="d3", state="draining", weights="default")
+            registry.put(draining)
+            await asyncio.sleep(0.6)
+            assert len(workers["p0"].introductions) == 2, "d2 serves other weights, d3 is leaving: neither"
+            registry.remove("d1")
+            await asyncio.sleep(0.6)
+            back = msgspec.structs.replace(workers["d1"].info, transfer={"tcp": b"tcp://127.0.0.1:2"})
+            registry.put(back)
+            await asyncio.sleep(0.6)
+            assert introduced()[-1] == ("d1", "tcp", b"tcp://127.0.0.1:2")
+            assert len(workers["p0"].introductions) == 3
+
+    try:
+        run(scenario())
+    finally:
+        workers.pop("d2").sock.close(0)
 
 
 def test_a_failed_kv_transfer_places_the_request_again_and_other_prefill_errors_end_it(cluster):

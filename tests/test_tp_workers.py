@@ -188,8 +188,16 @@ def test_the_leader_sends_rank_r_pages_to_rank_r_and_refuses_a_peer_of_another_s
         (res,) = t.poll_sent()
         assert not res.ok and "1 ranks" in res.error
         assert followers.calls == [], "the refusal is the leader's alone: no rank sends"
+        with pytest.raises(ValueError, match="1 ranks"):
+            t.connect("d", b"tcp://127.0.0.1:1")
+        assert followers.calls == [] and t.peers_held() == 0
         peer = KVPool(8, 16, 2, 1, 8, torch.float32, "cpu", tp_rank=0, tp_size=2)
         rx = create_transfer("tcp", peer, "d", "127.0.0.1")
+        # Introduced ahead of its first request: each rank connects to the peer's rank of its own.
+        t.connect("d", join_rank_endpoints([rx.endpoint(), b"tcp://127.0.0.1:9"]))
+        assert followers.calls == [["connect", "tcp", "d", [rx.endpoint(), b"tcp://127.0.0.1:9"]]]
+        assert t.peers_held() == 1
+        followers.calls.clear()
         rx.expect("r2", [3])
         t.send("r2", "d", join_rank_endpoints([rx.endpoint(), b"tcp://127.0.0.1:9"]), [1], [3], b"note")
         assert followers.calls == [["send", "tcp", "r2", "d", [rx.endpoint(), b"tcp://127.0.0.1:9"], [1], [3], b"note"]]

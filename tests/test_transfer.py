@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import zmq
+from played import errors, finished
 
 from engine.protocol import Abort, KVReady, decode, encode
 from kvstore import KVPool
@@ -54,6 +55,51 @@ def test_pages_arrive_bit_exact_with_their_notification(name, dtype):
     assert tx.stats.count == 1 and tx.stats.bytes == len(src) * a.page_bytes
     tx.close()
     rx.close()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_peer_connected_ahead_of_its_first_send_is_held_and_served(name):
+    """connect() sets a peer up before any send (engine.protocol.Introduce); once more is a no-op, a peer that
+    left is not set up again by a late introduction, and an endpoint that is not one raises."""
+    a, b = pools()
+    tx = create_transfer(name, a, "p", "127.0.0.1")
+    rx = create_transfer(name, b, "d", "127.0.0.1")
+    tx.connect("d", rx.endpoint())
+    tx.connect("d", rx.endpoint())
+    assert tx.peers_held() == 1
+    rx.expect("r1", [5])
+    tx.send("r1", "d", rx.endpoint(), [3], [5], encode(KVReady("r1", 1)))
+    got, sent = wait_received(rx, tx)
+    assert [r for r, _ in got] == ["r1"] and sent and sent[0].ok
+    assert torch.equal(b.data[:, 5], a.data[:, 3])
+    tx.drop_peer("d")
+    tx.connect("d", rx.endpoint())
+    assert tx.peers_held() == 0
+    if name == "nixl":  # (tcp's endpoint is an address: ZMQ connects to it lazily, whatever it is)
+        with pytest.raises(Exception):
+            tx.connect("x", b"not an endpoint")
+        assert tx.peers_held() == 0
+    tx.close()
+    rx.close()
+
+
+def test_a_prefill_worker_connects_to_the_decode_worker_it_is_introduced_to(played, caplog):
+    from engine.protocol import Introduce
+
+    dec = played.start("decode")
+    pre = played.start("prefill")
+    nixl = pre.transfers["nixl"]
+    assert nixl.peers_held() == 0
+    with caplog.at_level("WARNING", logger="engine.worker"):
+        played.send(pre, Introduce("bogus", "nixl", b"not an endpoint"))
+        played.send(pre, Introduce("nobody", "no-such-backend", b""))
+        played.send(pre, Introduce(dec.worker_id, "nixl", dec.endpoints["nixl"]))
+        played.pump(lambda g: nixl.peers_held() == 1, pre, dec)
+    assert [r for r in caplog.records if "could not connect to transfer peer bogus" in r.getMessage()]
+    alloc = played.allocate(dec, "r1")
+    played.prefill(pre, dec, alloc, alloc.kv_timeout_s)
+    got = played.pump(lambda g: finished(g, "r1"), pre, dec, timeout=30)
+    assert not errors(got) and nixl.peers_held() == 1
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -109,6 +109,17 @@ class TransferEngine(ABC):
         """Peers this engine keeps connections, mappings or descriptors for."""
         return 0
 
+    def connect(self, peer_id: str, endpoint: bytes) -> None:
+        """Set up what sends to this peer need, ahead of the first (engine.protocol.Introduce); a peer already
+        set up is left as it is. ValueError or the backend's own error for a peer that cannot be reached; its
+        first send then tries again and reports it."""
+        if self.departed.get(peer_id) == endpoint:
+            return  # it left: a late introduction must not set it up again
+        self._open(peer_id, endpoint)
+
+    def _open(self, peer_id: str, endpoint: bytes) -> None:
+        pass  # backends with nothing to set up per peer
+
     def _departed(self, rid: str, peer_id: str, endpoint: bytes) -> bool:
         """Whether a send goes to a peer that left; if so, its failure is recorded."""
         if peer_id not in self.departed:

@@ -230,6 +230,9 @@ class CudaIpcTransfer(TransferEngine):
     def sockets(self):
         return [self.rx]
 
+    def _open(self, peer_id: str, endpoint: bytes) -> None:
+        self._peer(peer_id, endpoint)
+
     def _peer(self, peer_id: str, endpoint: bytes):
         if peer_id in self.peers and self.peers[peer_id][2] != endpoint:  # the peer restarted under the same id
             self.drop_peer(peer_id)

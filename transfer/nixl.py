@@ -89,6 +89,12 @@ class NixlTransfer(TransferEngine):
         return msgspec.msgpack.encode(_Endpoint(self.agent.get_agent_metadata(), p.data.data_ptr(), p.num_layers,
                                                 p.num_pages, self.block_bytes, self.mem, self.device_id, p.layout))
 
+    def _open(self, peer_id: str, endpoint: bytes) -> None:
+        name = self._remote(peer_id, endpoint)[0]
+        # UCX otherwise wires the endpoints up in the first transfer, and the receiver's side of that showed
+        # in the first request's TTFT too.
+        self.agent.make_connection(name)
+
     def _remote(self, peer_id: str, endpoint: bytes):
         if peer_id in self.remotes and self.remotes[peer_id][3] != endpoint:
             self.drop_peer(peer_id)  # restarted under the same id: what still goes to the old process fails

@@ -53,6 +53,9 @@ class TcpTransfer(TransferEngine):
     def sockets(self):
         return [self.rx]
 
+    def _open(self, peer_id: str, endpoint: bytes) -> None:
+        self._peer(peer_id, endpoint)
+
     def _peer(self, peer_id: str, endpoint: bytes) -> zmq.Socket:
         entry = self.peers.get(peer_id)
         if entry is not None and entry[0] != endpoint:  # the peer restarted under the same id
