@@ -1,4 +1,4 @@
-"""A worker runs two short requests of its own before it announces itself (engine/warmup.py), so that the
+"""A worker runs three short requests of its own before it announces itself (engine/warmup.py), so that the
 kernels' first calls are not the first client's; nothing of them is left to see or to change a result."""
 
 from __future__ import annotations
@@ -41,4 +41,22 @@ def test_a_worker_warms_up_before_it_is_announced_and_leaves_nothing_behind(play
 def test_a_context_shorter_than_the_warm_up_prompts_still_starts(played):
     w = played.start("colocated", engine_args={"context_length": 12})
     assert w.engine.max_model_len == 12
+    assert_nothing_held(w)
+
+
+def test_the_warm_up_runs_a_prompt_alone_as_well_as_a_batch(played, monkeypatch):
+    """A lone prompt with nothing cached takes attention's causal path (no mask), which a batch never takes:
+    a first client's request is often one such, and would otherwise make that path's first call."""
+    from kernels.attention import torch_backend
+
+    seen = []
+    plan = torch_backend._TorchStep.__init__
+
+    def recording(self, *args, **kwargs):
+        plan(self, *args, **kwargs)
+        seen.append((self.x.batch_size, self.causal))
+
+    monkeypatch.setattr(torch_backend._TorchStep, "__init__", recording)
+    w = played.start("colocated", engine_args={"chunked_prefill_size": 256})  # prompts whole, not in chunks
+    assert (1, True) in seen and any(bsz > 1 for bsz, _ in seen), seen
     assert_nothing_held(w)
