@@ -170,7 +170,7 @@ class Dispatcher:
         self._strays: OrderedDict[str, None] = OrderedDict()  # wire ids an Abort went out for, unknown here
         self.stopping: str | None = None  # why new requests are refused (set by end_all)
         self._introduced: set[tuple[str, str]] = set()  # (prefill, decode) pairs told of each other
-        self._introduced_among: set[str] = set()  # the workers alive when pairs were last looked for
+        self._introduced_among: set[tuple[str, str, str]] = set()  # the workers when pairs were last looked for
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -336,10 +336,12 @@ class Dispatcher:
     def _introduce(self, alive: dict[str, WorkerInfo]) -> None:
         """Tell each prefill worker, once, of each decode worker it pairs with (Introduce), as soon as both are
         here: it connects to it then, and not in the first request between them (a NIXL agent's metadata took
-        50-70 ms of that request's TTFT on a CPU). Looked at again only when the workers change."""
-        if set(alive) == self._introduced_among:
+        50-70 ms of that request's TTFT on a CPU). Looked at again only when the workers, their roles or their
+        states change."""
+        among = {(w.worker_id, w.role, w.state) for w in alive.values()}
+        if among == self._introduced_among:
             return
-        self._introduced_among = set(alive)
+        self._introduced_among = among
         serving = [w for w in alive.values() if w.state == "serving"]
         for p in (w for w in serving if w.role == "prefill"):
             for d in (w for w in serving if w.role == "decode"):
